@@ -260,6 +260,20 @@ def test_compress_negative_slots_and_positions():
     assert not emit.any()
 
 
+def test_compress_empty_batch_and_int32_indices():
+    sc = make_scenario(4, 128, **C4_CASE, seed=12)
+    ref, emit = oracle_values(sc)
+    values, emit32 = compress_norm_rope(
+        sc.state_cache, sc.gather_slots, sc.positions.int(), sc.rms_w, EPS, sc.cos_sin, 4, 128
+    )
+    assert torch.equal(emit32, emit)
+    torch.testing.assert_close(values[emit].double(), ref[emit], rtol=2e-5, atol=2e-5)
+    values, emit = compress_norm_rope(
+        sc.state_cache, sc.gather_slots[:0], sc.positions[:0], sc.rms_w, EPS, sc.cos_sin, 4, 128
+    )
+    assert values.shape == (0, 128) and emit.shape == (0,)
+
+
 def test_compress_validation_errors():
     sc = make_scenario(4, 128, seq_lens=[8], batch=[(0, 7, 7)], seed=7)
     args = [sc.state_cache, sc.gather_slots, sc.positions, sc.rms_w, EPS, sc.cos_sin, 4, 128]
@@ -456,6 +470,20 @@ def test_indexer_mxfp4_store_dequantizes_to_values(ratio):
         assert (deq.abs() <= 6 * s).all()
     mask = entry_byte_mask(nblocks, block, 68, 64, sc.kv_slot_mapping[rows], backing.shape[1])
     assert (backing[~mask] == POISON_BYTE).all()
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "mxfp4"])
+def test_indexer_store_empty_and_nothing_to_write(dtype):
+    pytest.importorskip("vllm_dsv4_backend.formats.indexer_cache")
+    sc = make_scenario(4, 128, seq_lens=[12], batch=[(0, 4, 6)], seed=13)  # no window ends
+    eb = 132 if dtype == "fp8" else 68
+    backing, cache_2d = make_cache(2, 4, eb, 8)
+    _store_indexer(sc, cache_2d, 4, dtype)
+    sc.kv_slot_mapping = sc.kv_slot_mapping.int()
+    sc.gather_slots, sc.positions = sc.gather_slots[:0], sc.positions[:0]
+    sc.kv_slot_mapping = sc.kv_slot_mapping[:0]
+    _store_indexer(sc, cache_2d, 4, dtype)
+    assert (backing == POISON_BYTE).all()
 
 
 def test_indexer_store_validation():

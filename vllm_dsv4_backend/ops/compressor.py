@@ -37,7 +37,10 @@ sin(...)]``. Entry ``j = position // ratio`` is thus rotated at ``j * ratio``, t
 Quantized stores (entry ``y`` goes to ``kv_slot_mapping[t]``; ``-1`` skips)
 -------------------------------------------------------------------------
 - indexer (head_dim 128): ``y`` rounded to bf16, then the ``fp8`` 132 B or ``mxfp4`` 68 B
-  block-split indexer entry (:mod:`vllm_dsv4_backend.formats.indexer_cache`).
+  block-split indexer entry (:mod:`vllm_dsv4_backend.formats.indexer_cache`). No Hadamard
+  rotation on either dtype, like vLLM's kernels (the reference model rotates before its FP4
+  QAT; the dot products are unchanged since the rotation is orthogonal, only the quantization
+  error differs), so the query side must not rotate either.
 - main (head_dim 512): ``y`` rounded to bf16, then the 584 B ``fp8_ds_mla`` entry
   (:mod:`vllm_dsv4_backend.formats.fp8_ds_mla`); vLLM's kernels also quantize the NoPE part from
   the bf16-rounded values and store the RoPE part as bf16.
@@ -210,34 +213,45 @@ def _compress_rows(
             "gather_slots: every emitting token needs at least one valid (>= 0) slot in its "
             "window (its own row), got a row of all -1"
         )
+    # Entry j = position // ratio is rotated at the window start j * ratio.
+    pos = positions.index_select(0, rows).to(torch.int64)
+    rope_pos = torch.div(pos, compress_ratio, rounding_mode="floor").mul_(compress_ratio)
+    if bool((rope_pos >= cos_sin_cache.shape[0]).any()):
+        raise ValueError(
+            f"cos_sin_cache: expected at least {int(rope_pos.max()) + 1} positions (rows), got "
+            f"shape {tuple(cos_sin_cache.shape)}"
+        )
 
-    # Each gathered row is the [kv_half, score_half] pair of one channel half: element offset
-    # blk*stride0 + off*row_width + h*d (+ half_width for the score). Express all such starts on
-    # one grid of step g so a single index_select over an (overlapping, read-only) as_strided
-    # view gathers exactly the needed [2, d] slices, whatever the (pooled) block stride is.
+    # Row w of token e needs two d-long runs: kv at element offset blk*stride0 + off*row_width +
+    # h(w)*d and its score half_width further. Express all run starts on one grid of step g, so
+    # one index_select per run over an (overlapping, read-only) [rows, d] as_strided view gathers
+    # exactly the needed bytes, whatever the (pooled, padded) block stride is.
     s0 = state_cache.stride(0) if nb > 1 else row_width * bs
     g = math.gcd(s0, row_width, d)
-    blk = torch.div(slots.clamp(min=0), bs, rounding_mode="floor")
-    row_id = slots.clamp(min=0) - blk * bs  # offset in block
+    safe = slots.clamp(min=0)
+    blk = torch.div(safe, bs, rounding_mode="floor")
+    row_id = safe.sub_(blk * bs)  # offset in block
     row_id.mul_(row_width // g).add_(blk.mul_(s0 // g))
     if coff == 2:
         row_id[:, compress_ratio:] += d // g
-    max_start = (nb - 1) * s0 + (bs - 1) * row_width + (coff - 1) * d
-    virt = state_cache.as_strided(
-        (max_start // g + 1, 2, d), (g, half_width, 1), state_cache.storage_offset()
-    )
-    buf = torch.empty((num_rows, window, 2, d), dtype=torch.float32, device=state_cache.device)
-    torch.index_select(virt, 0, row_id.view(-1), out=buf.view(num_rows * window, 2, d))
-    kv = buf[:, :, 0]  # [E, W, d] views
-    score = buf[:, :, 1]
+    row_id = row_id.view(-1)
+    num_virt = ((nb - 1) * s0 + (bs - 1) * row_width + (coff - 1) * d) // g + 1
+    base = state_cache.storage_offset()
+    kv_rows = state_cache.as_strided((num_virt, d), (g, 1), base)
+    score_rows = state_cache.as_strided((num_virt, d), (g, 1), base + half_width)
+    kv = torch.empty((num_rows, window, d), dtype=torch.float32, device=state_cache.device)
+    score = torch.empty_like(kv)
+    torch.index_select(kv_rows, 0, row_id, out=kv.view(-1, d))
+    torch.index_select(score_rows, 0, row_id, out=score.view(-1, d))
 
-    # Skipped rows: exp(-inf) = 0 weight, and kv zeroed so a NaN-poisoned (never written) slot
-    # 0 that the clamp above pointed at cannot leak through 0 * NaN.
-    inv3 = invalid.unsqueeze(-1)
-    score.masked_fill_(inv3, float("-inf"))
-    kv.masked_fill_(inv3, 0.0)
+    # Skipped rows get weight exp(-inf) = 0 and kv 0: the clamp above pointed them at slot 0,
+    # which may hold NaN (never written) and 0 * NaN would leak.
+    bad_e, bad_w = invalid.nonzero(as_tuple=True)
+    if bad_e.numel():
+        score[bad_e, bad_w] = float("-inf")
+        kv[bad_e, bad_w] = 0.0
 
-    # Same order as vLLM's kernels: per-channel max, exp(s - max), then sum(e * kv) / sum(e).
+    # Same order as vLLM's C++ CPU kernel: per-channel max, exp(s - max), sum(e * kv) / sum(e).
     score.sub_(score.amax(dim=1, keepdim=True)).exp_()
     denom = score.sum(dim=1)  # [E, d]
     score.mul_(kv)
@@ -250,19 +264,17 @@ def _compress_rows(
 
     # GPT-J RoPE on the last rope_dim channels at the window start position.
     half = rope_dim // 2
-    pos = positions.index_select(0, rows).to(torch.int64)
-    rope_pos = torch.div(pos, compress_ratio, rounding_mode="floor").mul_(compress_ratio)
-    if bool((rope_pos >= cos_sin_cache.shape[0]).any()):
-        raise ValueError(
-            f"cos_sin_cache: expected at least {int(rope_pos.max()) + 1} positions (rows), got "
-            f"shape {tuple(cos_sin_cache.shape)}"
-        )
     cs = cos_sin_cache.index_select(0, rope_pos).to(torch.float32)
     cos, sin = cs[:, :half], cs[:, half:]
     pairs = out_rows[:, d - rope_dim :].unflatten(-1, (half, 2))
     x_even, x_odd = pairs[..., 0], pairs[..., 1]
-    new_even = x_even * cos - x_odd * sin
-    new_odd = x_odd * cos + x_even * sin
+    # vLLM's CPU kernel computes fma(x_even, cos, -(x_odd * sin)) and fma(x_odd, cos, x_even *
+    # sin) (one rounding for the product-sum). float64 reproduces that FMA for fp32 operands (the
+    # product is exact there, the sum is rounded once more to fp32: a double rounding that
+    # differs from the FMA only at exact fp32 midpoints).
+    cos64 = cos.double()
+    new_even = x_even.double().mul_(cos64).sub_((x_odd * sin).double())
+    new_odd = x_odd.double().mul_(cos64).add_((x_even * sin).double())
     x_even.copy_(new_even)
     x_odd.copy_(new_odd)
 
