@@ -1,0 +1,572 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""DeepSeek-V4 lightning indexer in vectorized PyTorch (torch only, no vLLM).
+
+One C4 layer step, in the order the backend calls these::
+
+    indexer_q_rope_quant   q [T, 64, 128] bf16 -> RoPE'd, FP8 or MXFP4 q + weights
+    indexer_logits         I[t, j] = sum_h w[t, h] * relu(q[t, h] . k[j])
+                           over the paged indexer K cache (132 B or 68 B entries)
+    indexer_topk           causal top-k of I over compressed entries j < (p+1)//4
+    local_to_global        local compressed index -> global cache slot (+ lengths)
+
+Semantics follow vLLM 0.32 (``fused_indexer_q.py``, the C++ CPU kernels
+``fused_indexer_q_rope_quant_cpu`` / ``fp8_paged_mqa_logits_cpu`` /
+``topk_transform_512_cpu`` and ``compute_global_topk_indices_and_lens``); the
+docstrings name every deliberate difference. Every function takes optional
+``out`` buffers (the caller's workspace); outputs are then written in place
+and returned. Work is chunked over tokens (and, for logits, over compressed
+entries) so temporaries stay under ``max_chunk_elems`` float32 elements
+whatever ``T x N_compressed`` is. Index constants (aranges) are cached per
+device, so no factory op runs per call once warmed up.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from vllm_dsv4_backend.formats import indexer_cache as ic
+from vllm_dsv4_backend.formats import mxfp4
+
+__all__ = [
+    "DEFAULT_CHUNK_ELEMS",
+    "IndexerQ",
+    "indexer_logits",
+    "indexer_q_rope_quant",
+    "indexer_topk",
+    "local_to_global",
+]
+
+# Budget for the largest per-chunk temporary, in float32 elements (16 MiB).
+DEFAULT_CHUNK_ELEMS = 1 << 22
+_MAX_ENTRY_CHUNK = 4096
+_INT64_MIN = -(2**63)
+
+_arange_cache: dict[torch.device, torch.Tensor] = {}
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """``0..n-1`` int64 as a view of a cached, grow-only per-device buffer."""
+    t = _arange_cache.get(device)
+    if t is None or t.numel() < n:
+        t = torch.arange(max(n, 1024), dtype=torch.int64, device=device)
+        _arange_cache[device] = t
+    return t[:n]
+
+
+def _describe(t: torch.Tensor | None) -> str:
+    if t is None:
+        return "None"
+    return f"shape {list(t.shape)} dtype {t.dtype} on {t.device}"
+
+
+def _check(
+    where: str,
+    name: str,
+    t: torch.Tensor | None,
+    shape: tuple[int | None, ...],
+    dtypes: tuple[torch.dtype, ...],
+    device: torch.device | None,
+) -> None:
+    """FlashInfer-style check: ``None`` in ``shape`` means any size."""
+    ok = (
+        isinstance(t, torch.Tensor)
+        and t.dim() == len(shape)
+        and all(s is None or s == d for s, d in zip(shape, t.shape))
+        and t.dtype in dtypes
+        and (device is None or t.device == device)
+    )
+    if not ok:
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        names = " or ".join(str(d) for d in dtypes)
+        dev = "" if device is None else f" on {device}"
+        raise ValueError(
+            f"{where}: argument '{name}' expected shape {want} dtype {names}{dev}, "
+            f"got {_describe(t)}"
+        )
+
+
+_FLOAT_IN = (torch.bfloat16, torch.float32, torch.float16)
+_INT_IN = (torch.int32, torch.int64)
+
+
+class IndexerQ(NamedTuple):
+    """Quantized indexer query, as ``indexer_q_rope_quant`` returns it.
+
+    Attributes:
+        q: FP8: ``[T, H, 128]`` float8_e4m3fn. MXFP4: ``[T, H, 64]`` uint8,
+            packed e2m1 (element ``2k`` in the low nibble of byte ``k``).
+        q_scale: FP8: ``None`` (folded into ``weights``). MXFP4: ``[T, H, 4]``
+            uint8 ue8m0 bytes, one per 32 values (vLLM passes the same bytes
+            as an int32 ``[T, H]`` view).
+        weights: ``[T, H]`` float32. FP8: ``w * q_scale * softmax_scale *
+            head_scale``; MXFP4: ``w * softmax_scale * head_scale``.
+    """
+
+    q: torch.Tensor
+    q_scale: torch.Tensor | None
+    weights: torch.Tensor
+
+
+def _gptj_rope_fma(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved RoPE, bf16-rounded, with the C++ kernel's FMA rounding.
+
+    ``fused_indexer_q_rope_quant_cpu`` computes ``fma(x_e, cos, -(x_o*sin))``
+    and ``fma(x_o, cos, x_e*sin)`` in float32, then rounds to bf16. The fused
+    multiply-add is emulated in float64: the products of float32 operands are
+    exact there and the sum is rounded once more to float32 (a double rounding
+    that can only differ at exact float64 ties, and then only if bf16 rounding
+    does not absorb it).
+
+    Args:
+        x: ``[T, H, R]`` float32, pairs ``(2i, 2i+1)``.
+        cos, sin: ``[T, 1, R/2]`` float32.
+
+    Returns:
+        ``[T, H, R]`` float32 holding bf16-representable values.
+    """
+    pairs = x.unflatten(-1, (-1, 2))
+    xe, xo = pairs[..., 0], pairs[..., 1]
+    c64 = cos.double()
+    re = (xe.double() * c64 - (xo * sin).double()).float()
+    ro = (xo.double() * c64 + (xe * sin).double()).float()
+    return torch.stack([re, ro], dim=-1).flatten(-2).bfloat16().float()
+
+
+def indexer_q_rope_quant(
+    q: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    softmax_scale: float,
+    head_scale: float,
+    dtype: str,
+    out: IndexerQ | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None,
+) -> IndexerQ:
+    """RoPE + quantize the indexer query; fold scales into the head weights.
+
+    RoPE is GPT-J style (interleaved pairs) on the **last** ``R`` dims of each
+    head, ``R = cos_sin_cache.shape[1]`` (64 for DeepSeek-V4), with vLLM's
+    cache layout ``cos_sin_cache[pos] = [cos_0..cos_{R/2-1}, sin_0..sin_{R/2-1}]``;
+    pair ``i`` is ``(x[D-R+2i], x[D-R+2i+1])``. The rotated dims are rounded to
+    bf16 (vLLM does, before the amax); the leading ``D - R`` dims pass through
+    unrounded.
+
+    FP8: one ue8m0 scale per (token, head), ``2**ceil(log2(max(amax, 1e-4) /
+    448))`` (exact exponent, see ``formats.indexer_cache``), values
+    ``e4m3fn(clamp(x / scale, +-448))``, and
+    ``weights_out = ((w * q_scale) * softmax_scale) * head_scale`` in float32.
+    MXFP4: ``formats.mxfp4.quantize`` per 32 values (4 blocks per head), and
+    ``weights_out = (w * softmax_scale) * head_scale`` (the q scales stay with
+    the values).
+
+    Args:
+        q: ``[T, H, D]`` bfloat16 (float32 / float16 accepted), ``D`` = 128.
+        positions: ``[T]`` int32/int64 positions (row of ``cos_sin_cache``).
+        cos_sin_cache: ``[max_pos, R]`` float32 (bf16 accepted), ``R`` even,
+            ``R <= D``.
+        weights: ``[T, H]`` bf16/fp32 raw ``weights_proj`` output.
+        softmax_scale: ``index_head_dim ** -0.5`` in DeepSeek-V4.
+        head_scale: ``index_n_heads ** -0.5`` in DeepSeek-V4.
+        dtype: ``"fp8"`` or ``"mxfp4"``.
+        out: optional ``(q, q_scale, weights)`` buffers with the shapes/dtypes
+            of :class:`IndexerQ` (``q_scale`` ``None`` for FP8).
+
+    Returns:
+        :class:`IndexerQ` ``(q, q_scale, weights)``.
+
+    Raises:
+        ValueError: bad shapes/dtypes/devices or ``out`` buffers.
+    """
+    where = "indexer_q_rope_quant"
+    ic.check_dtype(dtype, where)
+    _check(where, "q", q, (None, None, None), _FLOAT_IN, None)
+    dev = q.device
+    t, h, d = q.shape
+    _check(where, "positions", positions, (t,), _INT_IN, dev)
+    _check(where, "cos_sin_cache", cos_sin_cache, (None, None), _FLOAT_IN, dev)
+    _check(where, "weights", weights, (t, h), _FLOAT_IN, dev)
+    rot = cos_sin_cache.shape[1]
+    if rot % 2 != 0 or rot > d or (dtype == ic.MXFP4 and d % mxfp4.BLOCK_SIZE != 0):
+        raise ValueError(
+            f"{where}: expected an even RoPE width <= head dim (and head dim % 32 == 0 "
+            f"for mxfp4), got cos_sin_cache {_describe(cos_sin_cache)} for q {_describe(q)}"
+        )
+    if out is not None:
+        q_out, qs_out, w_out = out
+        if dtype == ic.FP8:
+            _check(where, "out.q", q_out, (t, h, d), (torch.float8_e4m3fn,), dev)
+            if qs_out is not None:
+                raise ValueError(
+                    f"{where}: argument 'out.q_scale' expected None for fp8 (the scale "
+                    f"is folded into weights), got {_describe(qs_out)}"
+                )
+        else:
+            _check(where, "out.q", q_out, (t, h, d // 2), (torch.uint8,), dev)
+            _check(
+                where, "out.q_scale", qs_out, (t, h, d // mxfp4.BLOCK_SIZE), (torch.uint8,), dev
+            )
+        _check(where, "out.weights", w_out, (t, h), (torch.float32,), dev)
+    else:
+        q_out = qs_out = w_out = None
+
+    x = q.to(torch.float32, copy=True)
+    if t > 0 and rot > 0:
+        cs = cos_sin_cache.index_select(0, positions.long()).to(torch.float32)
+        half = rot // 2
+        x[..., d - rot :] = _gptj_rope_fma(
+            x[..., d - rot :], cs[:, None, :half], cs[:, None, half:]
+        )
+
+    w = weights.to(torch.float32)
+    if dtype == ic.FP8:
+        amax = x.abs().amax(dim=-1)
+        e = ic.fp8_exponent(amax)
+        scale = ((e + 127) << 23).view(torch.float32)
+        scale = scale.masked_fill(~torch.isfinite(amax), float("nan"))
+        y = x.div_(scale.unsqueeze(-1)).clamp_(-ic.FP8_MAX, ic.FP8_MAX)
+        if q_out is None:
+            q_out = y.to(torch.float8_e4m3fn)
+        else:
+            q_out.copy_(y)
+        if w_out is None:
+            w_out = w * scale
+        else:
+            torch.mul(w, scale, out=w_out)
+        qs_out = None
+    else:
+        q_out, qs_out = mxfp4.quantize(x, out_packed=q_out, out_scale=qs_out)
+        if w_out is None:
+            w_out = w.clone() if w is weights else w
+        else:
+            w_out.copy_(w)
+    # Separate float32 multiplies in vLLM's order (not one folded constant).
+    w_out.mul_(softmax_scale).mul_(head_scale)
+    return IndexerQ(q_out, qs_out, w_out)
+
+
+def _dequant_q(
+    q: torch.Tensor, q_scale: torch.Tensor | None, dtype: str
+) -> torch.Tensor:
+    if dtype == ic.FP8:
+        return q.to(torch.float32)
+    assert q_scale is not None
+    return mxfp4.dequantize(q, q_scale)
+
+
+def indexer_logits(
+    q: torch.Tensor,
+    q_scale: torch.Tensor | None,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    dtype: str,
+    token_to_req: torch.Tensor | None = None,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
+    max_chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+) -> torch.Tensor:
+    """Indexer scores over the paged indexer K cache.
+
+    ``I[t, j] = sum_h weights[t, h] * relu(q[t, h] . k[j])`` with ``q`` and
+    ``k`` dequantized exactly (FP8: e4m3 values, the q scale already in
+    ``weights``, the k scale applied per entry; MXFP4: e2m1 * ue8m0 on both
+    sides), accumulated in float32. Entry ``j`` of token ``t`` lives at slot
+    ``page_table[t][j // B] * B + j % B``.
+
+    ``I[t, j] = -inf`` for ``j >= seq_lens[t]`` and for entries whose page is
+    unmapped (negative page id, or ``j // B`` past the table): those entries
+    are never read into a result (a NaN-poisoned unused page cannot leak into
+    a valid score). vLLM's ``fp8_paged_mqa_logits_cpu`` leaves such entries
+    uninitialized instead.
+
+    Args:
+        q: FP8: ``[T, H, 128]`` float8_e4m3fn; MXFP4: ``[T, H, 64]`` uint8.
+        q_scale: FP8: ``None``; MXFP4: ``[T, H, 4]`` uint8 ue8m0 (or vLLM's
+            int32 ``[T, H]`` view of the same bytes).
+        weights: ``[T, H]`` float32 (from :func:`indexer_q_rope_quant`).
+        k_cache: ``[num_blocks, B, entry_bytes]`` (or ``[num_blocks, B, 1,
+            entry_bytes]``) uint8 in ``dtype``'s layout; padded block stride ok.
+        seq_lens: ``[T]`` int32/int64, number of compressed entries token ``t``
+            may see (``(pos + 1) // 4`` for causal C4).
+        block_table: ``[R, max_blocks]`` int32/int64 with ``token_to_req``, or
+            a per-token page table ``[T, max_blocks]`` when ``token_to_req`` is
+            ``None`` (the ``fp8_paged_mqa_logits_cpu`` convention).
+        dtype: ``"fp8"`` or ``"mxfp4"`` (cache and q format).
+        token_to_req: optional ``[T]`` int32/int64 row of ``block_table``.
+        max_seq_len: logits width ``W``; default ``out.shape[1]`` or
+            ``max(seq_lens)`` (a device sync).
+        out: optional ``[T, >= W]`` float32 buffer; columns ``[0, W)`` written.
+        max_chunk_elems: bound on the ``[tokens, H, entries]`` temporary.
+
+    Returns:
+        ``[T, W]`` float32 logits (a view of ``out`` when given).
+
+    Raises:
+        ValueError: bad shapes/dtypes/devices.
+    """
+    where = "indexer_logits"
+    ic.check_dtype(dtype, where)
+    values_v, scales_v = ic.block_views(k_cache, dtype, where)
+    dev = k_cache.device
+    head_dim = ic.HEAD_DIM
+    if dtype == ic.FP8:
+        _check(where, "q", q, (None, None, head_dim), (torch.float8_e4m3fn,), dev)
+        if q_scale is not None:
+            raise ValueError(
+                f"{where}: argument 'q_scale' expected None for fp8 (fold the q scale "
+                f"into weights), got {_describe(q_scale)}"
+            )
+    else:
+        _check(where, "q", q, (None, None, head_dim // 2), (torch.uint8,), dev)
+        t_, h_ = q.shape[0], q.shape[1]
+        if q_scale is not None and q_scale.dtype == torch.int32 and q_scale.dim() == 2:
+            q_scale = q_scale.contiguous().view(torch.uint8).view(t_, h_, -1)
+        _check(
+            where, "q_scale", q_scale, (t_, h_, head_dim // mxfp4.BLOCK_SIZE), (torch.uint8,), dev
+        )
+    t, h = q.shape[0], q.shape[1]
+    _check(where, "weights", weights, (t, h), (torch.float32,), dev)
+    _check(where, "seq_lens", seq_lens, (t,), _INT_IN, dev)
+    if token_to_req is None:
+        _check(where, "block_table", block_table, (t, None), _INT_IN, dev)
+    else:
+        _check(where, "block_table", block_table, (None, None), _INT_IN, dev)
+        _check(where, "token_to_req", token_to_req, (t,), _INT_IN, dev)
+    if max_seq_len is None:
+        if out is not None:
+            max_seq_len = out.shape[1] if out.dim() == 2 else 0
+        else:
+            max_seq_len = int(seq_lens.max()) if t > 0 else 0
+    width = max(int(max_seq_len), 0)
+    if out is not None:
+        _check(where, "out", out, (t, None), (torch.float32,), dev)
+        if out.shape[1] < width:
+            raise ValueError(
+                f"{where}: argument 'out' expected at least {width} columns, got "
+                f"{_describe(out)}"
+            )
+        res = out[:, :width]
+    else:
+        res = torch.empty(t, width, dtype=torch.float32, device=dev)
+    if t == 0 or width == 0:
+        return res
+
+    bs = values_v.shape[1]
+    max_blocks = block_table.shape[1]
+    if values_v.shape[0] == 0 or max_blocks == 0:
+        return res.fill_(float("-inf"))
+
+    nc = min(width, _MAX_ENTRY_CHUNK)
+    tc = max(1, min(t, max_chunk_elems // max(1, h * nc)))
+    lens_all = seq_lens.long()
+    # On CPU reading the lengths is free: skip entry chunks no token can see.
+    host_lens = lens_all if dev.type == "cpu" else None
+    ar = _arange(width, dev)
+    for t0 in range(0, t, tc):
+        t1 = min(t, t0 + tc)
+        lens = lens_all[t0:t1]
+        if token_to_req is None:
+            pages = block_table[t0:t1]
+        else:
+            pages = block_table.index_select(0, token_to_req[t0:t1].long())
+        qf = _dequant_q(q[t0:t1], None if q_scale is None else q_scale[t0:t1], dtype)
+        w = weights[t0:t1].unsqueeze(1)
+        end = width
+        if host_lens is not None:
+            end = min(width, max(0, int(host_lens[t0:t1].max())))
+            if end < width:
+                res[t0:t1, end:].fill_(float("-inf"))
+        for j0 in range(0, end, nc):
+            j1 = min(end, j0 + nc)
+            j = ar[j0:j1]
+            page_col = j // bs
+            in_table = page_col < max_blocks
+            page = pages.index_select(1, page_col.clamp(max=max_blocks - 1)).long()
+            valid = (j.unsqueeze(0) < lens.unsqueeze(1)) & (page >= 0) & in_table
+            page.masked_fill_(~valid, 0)
+            vals, scs = ic.gather_raw(values_v, scales_v, page, (j % bs).expand_as(page))
+            kf = ic.dequantize_raw(vals, scs, dtype)  # [tc, n, 128]
+            s = torch.bmm(qf, kf.transpose(1, 2)).relu_()  # [tc, H, n]
+            lg = torch.bmm(w, s).squeeze(1)  # [tc, n]
+            res[t0:t1, j0:j1] = lg.masked_fill_(~valid, float("-inf"))
+    return res
+
+
+def indexer_topk(
+    logits: torch.Tensor,
+    positions: torch.Tensor | None,
+    topk: int,
+    *,
+    compress_ratio: int = 4,
+    seq_lens: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    max_chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+) -> torch.Tensor:
+    """Causal top-k over compressed entries, as local indices.
+
+    A query at position ``p`` sees entries ``j < n = (p + 1) // compress_ratio``
+    (or ``n = seq_lens[t]`` when given), capped at the logits width.
+
+    - ``n <= topk``: the row is ``0, 1, .., n-1`` then ``-1`` (vLLM's
+      short-context rule: every visible entry is selected, scores unused).
+    - ``n > topk``: the ``topk`` best entries by score, **sorted by score
+      descending, ties broken by the lower index** (the same tie rule as
+      vLLM's ``topk_transform_512_cpu``, whose output order is its heap's).
+      NaN scores rank as ``-inf``; ``-0.0`` ties ``+0.0``.
+
+    Args:
+        logits: ``[T, W]`` float32 (bf16/fp16 accepted) scores; columns
+            ``>= n`` are ignored whatever they hold.
+        positions: ``[T]`` int32/int64 query positions (ignored when
+            ``seq_lens`` is given; may then be ``None``).
+        topk: ``index_topk`` (512 for V4-Flash, 1024 for V4-Pro), ``> 0``.
+        compress_ratio: 4 for the C4 indexer.
+        seq_lens: optional ``[T]`` int32/int64 visible counts.
+        out: optional ``[T, topk]`` int32 buffer.
+        max_chunk_elems: bound on the per-chunk ``[rows, W]`` int64 key tensor.
+
+    Returns:
+        ``[T, topk]`` int32 local indices, -1 padded.
+
+    Raises:
+        ValueError: bad shapes/dtypes/devices, ``topk <= 0``,
+            ``compress_ratio <= 0``.
+    """
+    where = "indexer_topk"
+    _check(where, "logits", logits, (None, None), _FLOAT_IN, None)
+    dev = logits.device
+    t, width = logits.shape
+    if not isinstance(topk, int) or topk <= 0:
+        raise ValueError(f"{where}: argument 'topk' expected a positive int, got {topk!r}")
+    if seq_lens is None:
+        if not isinstance(compress_ratio, int) or compress_ratio <= 0:
+            raise ValueError(
+                f"{where}: argument 'compress_ratio' expected a positive int, got "
+                f"{compress_ratio!r}"
+            )
+        _check(where, "positions", positions, (t,), _INT_IN, dev)
+        assert positions is not None
+        n_all = torch.div(positions.long() + 1, compress_ratio, rounding_mode="floor")
+    else:
+        _check(where, "seq_lens", seq_lens, (t,), _INT_IN, dev)
+        n_all = seq_lens.long()
+    n_all = n_all.clamp(0, width)
+    if out is None:
+        out = torch.empty(t, topk, dtype=torch.int32, device=dev)
+    else:
+        _check(where, "out", out, (t, topk), (torch.int32,), dev)
+    if t == 0:
+        return out
+
+    ar = _arange(max(topk, width), dev)
+    ar_k = ar[:topk]
+    rev = (width - 1) - ar[:width]  # larger for lower j: ties go to lower j
+    need_rank = width > topk  # else every row has n <= width <= topk
+    rows = max(1, min(t, max_chunk_elems // max(1, width)))
+    for t0 in range(0, t, rows):
+        t1 = min(t, t0 + rows)
+        n = n_all[t0:t1].unsqueeze(1)
+        o = out[t0:t1]
+        # Short-context fill for every row first; long rows overwritten below.
+        o.copy_(ar_k.unsqueeze(0).expand_as(o))
+        o.masked_fill_(ar_k.unsqueeze(0) >= n, -1)
+        if not need_rank:
+            continue
+        x = logits[t0:t1].to(torch.float32) + 0.0  # fresh copy; -0.0 -> +0.0
+        x = torch.nan_to_num_(x, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+        bits = x.view(torch.int32)
+        # Order-preserving float32 -> int32 map (negative floats flip magnitude).
+        key32 = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        key = (key32.to(torch.int64) << 32) | rev.unsqueeze(0)
+        key.masked_fill_(ar[:width].unsqueeze(0) >= n, _INT64_MIN)
+        idx = torch.topk(key, topk, dim=1, largest=True, sorted=True).indices
+        o.copy_(torch.where(n > topk, idx, o))
+    return out
+
+
+def local_to_global(
+    topk_local: torch.Tensor,
+    token_to_req: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    out_indices: torch.Tensor | None = None,
+    out_lens: torch.Tensor | None = None,
+    *,
+    is_valid_token: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Map local compressed indices to global cache slots, count valid entries.
+
+    ``global = block_table[token_to_req[t], j // block_size] * block_size +
+    j % block_size`` for ``j >= 0``; -1 stays -1, as in vLLM's
+    ``compute_global_topk_indices_and_lens``. Beyond it: a negative
+    (unallocated) block-table entry or ``j // block_size`` past the table also
+    gives -1 instead of a garbage slot. ``lens[t]`` counts the entries with
+    ``j >= 0`` (vLLM's count, so FlashMLA's ``topk_length`` still covers the
+    whole valid prefix; an unmapped entry inside it reads as -1 = skipped), and
+    is 0 where ``is_valid_token`` is False (padding tokens).
+
+    Args:
+        topk_local: ``[T, K]`` int32/int64 local indices, -1 = none.
+        token_to_req: ``[T]`` int32/int64 row of ``block_table`` per token.
+        block_table: ``[R, max_blocks]`` int32/int64 block ids of the
+            compressed cache.
+        block_size: entries per compressed-cache block (> 0).
+        out_indices: optional ``[T, K]`` int32 buffer (``topk_local`` itself is
+            allowed: the mapping is computed before writing).
+        out_lens: optional ``[T]`` int32 buffer.
+        is_valid_token: optional ``[T]`` bool.
+
+    Returns:
+        ``(global_indices [T, K] int32, lens [T] int32)``.
+
+    Raises:
+        ValueError: bad shapes/dtypes/devices or ``block_size <= 0``.
+    """
+    where = "local_to_global"
+    _check(where, "topk_local", topk_local, (None, None), _INT_IN, None)
+    dev = topk_local.device
+    t, k = topk_local.shape
+    _check(where, "token_to_req", token_to_req, (t,), _INT_IN, dev)
+    _check(where, "block_table", block_table, (None, None), _INT_IN, dev)
+    if not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(
+            f"{where}: argument 'block_size' expected a positive int, got {block_size!r}"
+        )
+    if is_valid_token is not None:
+        _check(where, "is_valid_token", is_valid_token, (t,), (torch.bool,), dev)
+    if out_indices is None:
+        out_indices = torch.empty(t, k, dtype=torch.int32, device=dev)
+    else:
+        _check(where, "out_indices", out_indices, (t, k), (torch.int32,), dev)
+    if out_lens is None:
+        out_lens = torch.empty(t, dtype=torch.int32, device=dev)
+    else:
+        _check(where, "out_lens", out_lens, (t,), (torch.int32,), dev)
+    if t == 0:
+        return out_indices, out_lens
+
+    local = topk_local.long()
+    valid = local >= 0
+    max_blocks = block_table.shape[1]
+    if max_blocks == 0 or block_table.shape[0] == 0:
+        out_indices.fill_(-1)
+    else:
+        safe = local.clamp(min=0)
+        col = safe // block_size
+        ok = valid & (col < max_blocks)
+        rows = token_to_req.long().clamp(0, block_table.shape[0] - 1).unsqueeze(1)
+        blocks = block_table[rows, col.clamp_(max=max_blocks - 1)].long()
+        ok &= blocks >= 0
+        slots = blocks.mul_(block_size).add_(safe % block_size)
+        out_indices.copy_(slots.masked_fill_(~ok, -1))
+    lens = valid.sum(dim=1)
+    if is_valid_token is not None:
+        lens.masked_fill_(~is_valid_token, 0)
+    out_lens.copy_(lens)
+    return out_indices, out_lens
