@@ -97,7 +97,7 @@ class DSV4FlashMLASparseBackend(DeepseekV4SparseMLABackend):
         # path has no architecture limit (selected with VLLM_DSV4_KERNEL=torch).
         from vllm_dsv4_backend import envs
 
-        if envs.VLLM_DSV4_KERNEL() == "torch":
+        if envs.VLLM_DSV4_KERNEL == "torch":
             return True
         return capability.major in (9, 10)
 
