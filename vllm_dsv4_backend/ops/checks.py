@@ -1,0 +1,352 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Shared argument validation for the sparse MLA ops (torch only).
+
+Every check raises ``ValueError`` naming the argument and giving the expected and received
+shape / dtype / device (FlashInfer ``check_shape_dtype_device`` style). The generic checks
+(:func:`check_decode_args`, :func:`check_prefill_args`) hold for every kernel path; the
+``check_flashmla_*`` functions add what FlashMLA's CUDA kernels require on top.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from vllm_dsv4_backend.formats import fp8_ds_mla
+from vllm_dsv4_backend.formats.fp8_ds_mla import CacheLayout
+
+__all__ = [
+    "HEAD_DIM",
+    "DecodeDims",
+    "PrefillDims",
+    "check_decode_args",
+    "check_decode_index_range",
+    "check_flashmla_decode",
+    "check_flashmla_prefill",
+    "check_prefill_args",
+    "check_shape_dtype_device",
+]
+
+HEAD_DIM = fp8_ds_mla.HEAD_DIM  # 512 = d_qk = d_v
+FLASHMLA_HEADS = (64, 128)
+FLASHMLA_TOPK_ALIGN = 64
+
+
+def _fmt_shape(shape: Sequence[int | str | None]) -> str:
+    return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {list(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def check_shape_dtype_device(
+    t: object,
+    name: str,
+    shape: Sequence[int | None] | None,
+    dtype: torch.dtype | Sequence[torch.dtype] | None,
+    device: torch.device | None,
+    *,
+    shape_doc: str | None = None,
+) -> torch.Tensor:
+    """Check one tensor argument; ``None`` in ``shape`` is a wildcard.
+
+    Raises:
+        ValueError: ``"<name>: expected shape ..., dtype ..., device ...; got ..."``.
+    """
+    dtypes = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype or ())
+    exp_parts = []
+    if shape is not None:
+        exp_parts.append(f"shape {shape_doc or _fmt_shape(shape)}")
+    if dtypes:
+        exp_parts.append("dtype " + " or ".join(str(d) for d in dtypes))
+    if device is not None:
+        exp_parts.append(f"device {device}")
+    expected = ", ".join(exp_parts)
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor with {expected}; got {type(t).__name__}")
+    ok = True
+    if shape is not None:
+        ok = t.dim() == len(shape) and all(
+            s is None or int(d) == int(s) for d, s in zip(t.shape, shape)
+        )
+    if dtypes and t.dtype not in dtypes:
+        ok = False
+    if device is not None and t.device != device:
+        ok = False
+    if not ok:
+        raise ValueError(f"{name}: expected {expected}; got {_describe(t)}")
+    return t
+
+
+def _check_index_dtype(t: object, name: str) -> None:
+    if isinstance(t, torch.Tensor) and t.dtype == torch.int64:
+        raise ValueError(
+            f"{name}: int32 is required (FlashMLA's index dtype), got dtype torch.int64 "
+            f"with shape {list(t.shape)}; convert with .to(torch.int32)"
+        )
+
+
+def _check_cache(cache: object, name: str, device: torch.device) -> CacheLayout:
+    layout = fp8_ds_mla.cache_layout(cache, name)  # type: ignore[arg-type]
+    if cache.device != device:  # type: ignore[union-attr]
+        raise ValueError(
+            f"{name}: expected device {device} (q's), got {_describe(cache)}"  # type: ignore[arg-type]
+        )
+    return layout
+
+
+def _check_scale(softmax_scale: object, name: str) -> float:
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise ValueError(f"{name}: expected a Python float, got {type(softmax_scale).__name__}")
+    return float(softmax_scale)
+
+
+@dataclass(frozen=True)
+class DecodeDims:
+    """Validated sizes of a decode call.
+
+    ``layout`` / ``extra_layout`` are the caches' ``fp8_ds_mla.CacheLayout`` (``extra_layout``
+    None without an extra cache; then ``extra_topk == 0``).
+    """
+
+    batch: int
+    s_q: int
+    h_q: int
+    topk: int
+    extra_topk: int
+    layout: CacheLayout
+    extra_layout: CacheLayout | None
+    softmax_scale: float
+
+
+def check_decode_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    indices: torch.Tensor,
+    topk_length: torch.Tensor | None,
+    attn_sink: torch.Tensor | None,
+    softmax_scale: float,
+    extra_k_cache: torch.Tensor | None,
+    extra_indices: torch.Tensor | None,
+    extra_topk_length: torch.Tensor | None,
+    out: torch.Tensor | None,
+    lse_out: torch.Tensor | None,
+) -> DecodeDims:
+    """Validate ``sparse_mla_decode`` arguments (all paths). Does not read index values.
+
+    Expected: q bf16 ``[b, s_q, h_q, 512]``; caches uint8 fp8_ds_mla ``[nb, B, (1,) 584]``;
+    indices int32 ``[b, s_q, topk]``; topk_length int32 ``[b]``; attn_sink fp32 ``[h_q]``;
+    extra_indices int32 ``[b, s_q, extra_topk]`` (given iff extra_k_cache is);
+    extra_topk_length int32 ``[b]`` (only with an extra cache); out bf16 ``[b, s_q, h_q, 512]``;
+    lse_out fp32 ``[b, h_q, s_q]``. Everything on q's device.
+    """
+    if not isinstance(q, torch.Tensor):
+        raise ValueError(f"q: expected a torch.Tensor, got {type(q).__name__}")
+    dev = q.device
+    check_shape_dtype_device(
+        q, "q", (None, None, None, HEAD_DIM), torch.bfloat16, dev,
+        shape_doc=f"[b, s_q, h_q, {HEAD_DIM}]",
+    )
+    b, s_q, h_q = (int(x) for x in q.shape[:3])
+    layout = _check_cache(k_cache, "k_cache", dev)
+    _check_index_dtype(indices, "indices")
+    check_shape_dtype_device(
+        indices, "indices", (b, s_q, None), torch.int32, dev, shape_doc=f"[{b}, {s_q}, topk]"
+    )
+    topk = int(indices.shape[2])
+    if topk_length is not None:
+        _check_index_dtype(topk_length, "topk_length")
+        check_shape_dtype_device(topk_length, "topk_length", (b,), torch.int32, dev)
+    if attn_sink is not None:
+        check_shape_dtype_device(attn_sink, "attn_sink", (h_q,), torch.float32, dev)
+    scale = _check_scale(softmax_scale, "softmax_scale")
+
+    extra_layout = None
+    extra_topk = 0
+    if (extra_k_cache is None) != (extra_indices is None):
+        raise ValueError(
+            "extra_k_cache / extra_indices: expected both or neither; got "
+            f"extra_k_cache={'None' if extra_k_cache is None else 'tensor'}, "
+            f"extra_indices={'None' if extra_indices is None else 'tensor'}"
+        )
+    if extra_k_cache is not None:
+        extra_layout = _check_cache(extra_k_cache, "extra_k_cache", dev)
+        _check_index_dtype(extra_indices, "extra_indices")
+        check_shape_dtype_device(
+            extra_indices, "extra_indices", (b, s_q, None), torch.int32, dev,
+            shape_doc=f"[{b}, {s_q}, extra_topk]",
+        )
+        extra_topk = int(extra_indices.shape[2])  # type: ignore[union-attr]
+    if extra_topk_length is not None:
+        if extra_k_cache is None:
+            raise ValueError(
+                "extra_topk_length: expected None without extra_k_cache, got a tensor with "
+                + _describe(extra_topk_length)
+            )
+        _check_index_dtype(extra_topk_length, "extra_topk_length")
+        check_shape_dtype_device(extra_topk_length, "extra_topk_length", (b,), torch.int32, dev)
+    if out is not None:
+        check_shape_dtype_device(out, "out", (b, s_q, h_q, HEAD_DIM), torch.bfloat16, dev)
+    if lse_out is not None:
+        check_shape_dtype_device(lse_out, "lse_out", (b, h_q, s_q), torch.float32, dev)
+    return DecodeDims(b, s_q, h_q, topk, extra_topk, layout, extra_layout, scale)
+
+
+def check_decode_index_range(
+    indices: torch.Tensor, topk_length: torch.Tensor | None, num_slots: int, name: str
+) -> None:
+    """Raise ``ValueError`` if a used index is ``< -1`` or ``>= num_slots``.
+
+    "Used" means the first ``topk_length[b]`` entries of each row (all when None); FlashMLA
+    never reads the rest, so garbage there is allowed. One vectorized pass plus one host
+    sync; the CUDA FlashMLA path skips it (FlashMLA does not check either).
+    """
+    if indices.numel() == 0:
+        return
+    bad = (indices < -1) | (indices >= num_slots)
+    if topk_length is not None:
+        pos = torch.arange(indices.shape[-1], device=indices.device)
+        bad &= pos < topk_length.view(-1, *([1] * (indices.dim() - 1)))
+    if bool(bad.any()):
+        vals = indices[bad]
+        raise ValueError(
+            f"{name}: expected slot ids in [-1, {num_slots}) (num_blocks * block_size; only -1 "
+            f"is invalid), got {int(vals.numel())} out-of-range value(s), e.g. "
+            f"{vals[:4].tolist()}"
+        )
+
+
+@dataclass(frozen=True)
+class PrefillDims:
+    """Validated sizes of a prefill call."""
+
+    s_q: int
+    h_q: int
+    s_kv: int
+    topk: int
+    sm_scale: float
+
+
+def check_prefill_args(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    attn_sink: torch.Tensor | None,
+    topk_length: torch.Tensor | None,
+    out: torch.Tensor | None,
+    max_logits_out: torch.Tensor | None,
+    lse_out: torch.Tensor | None,
+) -> PrefillDims:
+    """Validate ``sparse_mla_prefill`` arguments (all paths).
+
+    Expected: q bf16 ``[s_q, h_q, 512]``; kv bf16 ``[s_kv, 1, 512]``; indices int32
+    ``[s_q, 1, topk]``; attn_sink fp32 ``[h_q]``; topk_length int32 ``[s_q]``; out bf16
+    ``[s_q, h_q, 512]``; max_logits_out / lse_out fp32 ``[s_q, h_q]``; all on q's device.
+    """
+    if not isinstance(q, torch.Tensor):
+        raise ValueError(f"q: expected a torch.Tensor, got {type(q).__name__}")
+    dev = q.device
+    check_shape_dtype_device(
+        q, "q", (None, None, HEAD_DIM), torch.bfloat16, dev, shape_doc=f"[s_q, h_q, {HEAD_DIM}]"
+    )
+    s_q, h_q = int(q.shape[0]), int(q.shape[1])
+    check_shape_dtype_device(
+        kv, "kv", (None, 1, HEAD_DIM), torch.bfloat16, dev, shape_doc=f"[s_kv, 1, {HEAD_DIM}]"
+    )
+    _check_index_dtype(indices, "indices")
+    check_shape_dtype_device(
+        indices, "indices", (s_q, 1, None), torch.int32, dev, shape_doc=f"[{s_q}, 1, topk]"
+    )
+    if attn_sink is not None:
+        check_shape_dtype_device(attn_sink, "attn_sink", (h_q,), torch.float32, dev)
+    if topk_length is not None:
+        _check_index_dtype(topk_length, "topk_length")
+        check_shape_dtype_device(topk_length, "topk_length", (s_q,), torch.int32, dev)
+    scale = _check_scale(sm_scale, "sm_scale")
+    if out is not None:
+        check_shape_dtype_device(out, "out", (s_q, h_q, HEAD_DIM), torch.bfloat16, dev)
+    if max_logits_out is not None:
+        check_shape_dtype_device(max_logits_out, "max_logits_out", (s_q, h_q), torch.float32, dev)
+    if lse_out is not None:
+        check_shape_dtype_device(lse_out, "lse_out", (s_q, h_q), torch.float32, dev)
+    return PrefillDims(s_q, h_q, int(kv.shape[0]), int(indices.shape[2]), scale)
+
+
+def _check_flashmla_heads(h_q: int) -> None:
+    if h_q not in FLASHMLA_HEADS:
+        raise ValueError(
+            f"q: FlashMLA requires h_q in {FLASHMLA_HEADS} (pad the heads with zeros and the "
+            f"sink with -inf), got h_q = {h_q}"
+        )
+
+
+def _check_last_dim_contiguous(t: torch.Tensor, name: str) -> None:
+    if t.stride(-1) != 1:
+        raise ValueError(
+            f"{name}: FlashMLA requires the last dim contiguous (stride(-1) == 1), got stride "
+            f"{tuple(t.stride())} for {_describe(t)}"
+        )
+
+
+def check_flashmla_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    dims: DecodeDims,
+    extra_k_cache: torch.Tensor | None,
+    capability: tuple[int, int] | None,
+) -> None:
+    """FlashMLA sparse-decode constraints on top of :func:`check_decode_args`.
+
+    h_q in {64, 128}; topk and extra_topk multiples of 64; q last dim contiguous (h128 also
+    needs ``q.stride(0) % q.stride(1) == 0``); on SM100 the cache block stride must be a
+    multiple of 576 B.
+    """
+    _check_flashmla_heads(dims.h_q)
+    _check_last_dim_contiguous(q, "q")
+    if dims.h_q == 128 and q.stride(0) % q.stride(1) != 0:
+        raise ValueError(
+            f"q: FlashMLA h128 decode requires q.stride(0) % q.stride(1) == 0, got stride "
+            f"{tuple(q.stride())}"
+        )
+    for name, topk in (("indices", dims.topk), ("extra_indices", dims.extra_topk)):
+        if topk % FLASHMLA_TOPK_ALIGN:
+            raise ValueError(
+                f"{name}: FlashMLA requires topk to be a multiple of {FLASHMLA_TOPK_ALIGN} (pad "
+                f"with -1 and pass *_topk_length), got topk = {topk}"
+            )
+    if capability is not None and capability[0] == 10:
+        for name, layout in (("k_cache", dims.layout), ("extra_k_cache", dims.extra_layout)):
+            if layout is not None and layout.stride0 % fp8_ds_mla.BLOCK_STRIDE_ALIGNMENT:
+                raise ValueError(
+                    f"{name}: FlashMLA on SM100 requires stride(0) to be a multiple of "
+                    f"{fp8_ds_mla.BLOCK_STRIDE_ALIGNMENT} bytes (use "
+                    f"fp8_ds_mla.allocate_cache(padded=True)), got stride(0) = {layout.stride0}"
+                )
+
+
+def check_flashmla_prefill(q: torch.Tensor, kv: torch.Tensor, dims: PrefillDims,
+                           capability: tuple[int, int] | None) -> None:
+    """FlashMLA sparse-prefill constraints on top of :func:`check_prefill_args`.
+
+    h_q in {64, 128}; topk a multiple of 128 on SM90 and for h128 with topk > 1280 on SM100,
+    else a multiple of 64; q and kv last dim contiguous.
+    """
+    _check_flashmla_heads(dims.h_q)
+    _check_last_dim_contiguous(q, "q")
+    _check_last_dim_contiguous(kv, "kv")
+    align = 64
+    if capability is not None and (
+        capability[0] == 9 or (dims.h_q == 128 and dims.topk > 1280)
+    ):
+        align = 128
+    if dims.topk % align:
+        raise ValueError(
+            f"indices: FlashMLA sparse prefill requires topk to be a multiple of {align} here "
+            f"(h_q = {dims.h_q}, capability {capability}); pad with -1 and pass topk_length, "
+            f"got topk = {dims.topk}"
+        )
