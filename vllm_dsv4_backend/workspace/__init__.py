@@ -1,0 +1,92 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Per-layer workspace manager for the DeepSeek-V4 eager region (torch only).
+
+* ``sizing``: ``WorkspaceConfig``, family layouts, bytes per policy, the
+  README memory table (``python -m vllm_dsv4_backend.workspace.sizing``).
+* ``manager``: ``WorkspaceManager`` (reserve at load, per-layer leases with
+  stable addresses, stream-fenced sharing, stats) and its errors.
+* ``streams``: the ``StreamBackend`` protocol, CUDA / no-stream / simulated.
+* ``alloc_counter``: ``count_allocations()`` for any device.
+* ``schedule``: the DeepSeek-V4 stream fan-out used by the race tests.
+
+Never imports vLLM. See docs/workspace.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Lazy, so ``python -m vllm_dsv4_backend.workspace.sizing`` runs sizing once.
+_EXPORTS: dict[str, str] = {
+    "AllocationCounter": "alloc_counter",
+    "count_allocations": "alloc_counter",
+    "ENV_DEBUG": "manager",
+    "ENV_POLICY": "manager",
+    "Lease": "manager",
+    "WorkspaceCapacityError": "manager",
+    "WorkspaceLeaseError": "manager",
+    "WorkspaceManager": "manager",
+    "resolve_debug": "manager",
+    "resolve_policy": "manager",
+    "FAMILIES": "sizing",
+    "POLICIES": "sizing",
+    "BufferSpec": "sizing",
+    "WorkspaceBytes": "sizing",
+    "WorkspaceConfig": "sizing",
+    "layer_families": "sizing",
+    "memory_table": "sizing",
+    "padded_q_heads": "sizing",
+    "plan_layout": "sizing",
+    "pool49236_bytes": "sizing",
+    "workspace_bytes": "sizing",
+    "CudaStreamBackend": "streams",
+    "NullStreamBackend": "streams",
+    "SimStreamBackend": "streams",
+    "StreamBackend": "streams",
+    "default_backend": "streams",
+}
+
+
+def __getattr__(name: str) -> Any:
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_EXPORTS))
+
+
+__all__ = [
+    "ENV_DEBUG",
+    "ENV_POLICY",
+    "FAMILIES",
+    "POLICIES",
+    "AllocationCounter",
+    "BufferSpec",
+    "CudaStreamBackend",
+    "Lease",
+    "NullStreamBackend",
+    "SimStreamBackend",
+    "StreamBackend",
+    "WorkspaceBytes",
+    "WorkspaceCapacityError",
+    "WorkspaceConfig",
+    "WorkspaceLeaseError",
+    "WorkspaceManager",
+    "count_allocations",
+    "default_backend",
+    "layer_families",
+    "memory_table",
+    "padded_q_heads",
+    "plan_layout",
+    "pool49236_bytes",
+    "resolve_debug",
+    "resolve_policy",
+    "workspace_bytes",
+]

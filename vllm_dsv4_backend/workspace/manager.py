@@ -1,0 +1,722 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Per-layer workspace manager for the DeepSeek-V4 attention eager region.
+
+vLLM #49236 handed one model-wide scratch pool to all 43 layers and put three
+buffer families at offset 0, while the indexer and the compressor ran on
+auxiliary CUDA streams; nothing in the pool ordered a producer after the
+previous consumer of the same bytes, so it was reverted (#52836). This
+manager keeps the preallocation and makes the reuse provable:
+
+* **Reserved at load.** ``reserve()`` allocates one uint8 storage for every
+  slot (see ``sizing.plan_layout``), so vLLM's memory profiling sees it. No
+  lease ever allocates (``shared``/``private``); a request beyond the
+  reservation raises ``WorkspaceCapacityError``, never grows.
+* **Stable addresses.** A lease for ``T`` tokens returns the prefix ``[:T]``
+  of the slot's views; the views are cached per ``T``, so the same layer,
+  family, micro-batch and ``T`` always get the same tensors and data_ptrs.
+* **Fenced sharing (the proof lives here).** Each slot remembers the streams
+  that used its last lease (the producer's, plus every stream declared with
+  ``Lease.used_on``). When a new lease of the slot is taken for a producer on
+  stream ``S``: for each of those streams ``C``: if ``C`` is ``S``, stream
+  order already puts the new producer after the old consumers; otherwise the
+  manager records an event on ``C`` *now* and makes ``S`` wait for it. An
+  event recorded now on ``C`` completes after everything ``C`` had been given,
+  the old consumers included (they were enqueued before ``release()``, which
+  must precede the next lease: a slot with a live lease cannot be leased).
+  Recording at hand-over instead of at release costs nothing when producer
+  and consumer share a stream (most families) and never under-synchronizes.
+* **No aliasing of concurrent families or micro-batches.** Families have
+  disjoint bytes (they run at once on different streams: indexer on aux0,
+  compressor on aux1), and every micro-batch has its own slots.
+
+Policies (``VLLM_DSV4_WORKSPACE``): ``shared`` (default; ``shared_slots``
+slots per family and micro-batch, taken by the layers in turn behind fences),
+``private`` (a slot per layer, family and micro-batch; fences still order a
+layer's step ``n+1`` after its step ``n``) and ``off`` (every lease is fresh
+``torch.empty`` from the caching allocator, the baseline; consumer streams get
+``record_stream``). ``VLLM_DSV4_WORKSPACE_DEBUG=1`` poisons every released
+region (NaN bytes for floats, 0xFF for uint8, the most negative int for int32,
+enqueued on the producer's stream after the consumers) and raises on leases
+whose bytes overlap a live lease.
+
+Typical use in a layer's eager region::
+
+    ws = manager.lease(layer_name, "topk", num_tokens, stream=aux0)
+    ...  # producer kernels on aux0 write ws["local"]
+    ws.used_on(default_stream)
+    ...  # consumer kernels on the default stream read it
+    ws.release()  # after the last consumer is enqueued
+
+The manager is not thread-safe; vLLM's DBO micro-batch threads run one at a
+time, and each micro-batch has its own slots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import types
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .alloc_counter import AllocationCounter
+from .sizing import (
+    FAMILIES,
+    POLICIES,
+    BufferSpec,
+    Layout,
+    WorkspaceConfig,
+    layer_families,
+    plan_layout,
+)
+from .streams import StreamBackend, default_backend
+
+ENV_POLICY = "VLLM_DSV4_WORKSPACE"
+ENV_DEBUG = "VLLM_DSV4_WORKSPACE_DEBUG"
+DEFAULT_POLICY = "shared"
+
+
+class WorkspaceCapacityError(ValueError):
+    """A lease asked for more than was reserved at load."""
+
+
+class WorkspaceLeaseError(RuntimeError):
+    """A lease protocol violation (busy slot, overlap, double release...)."""
+
+
+def resolve_policy(policy: str | None = None) -> str:
+    """``policy`` if given, else ``$VLLM_DSV4_WORKSPACE`` (default ``shared``)."""
+    if policy is None:
+        policy = os.environ.get(ENV_POLICY, "").strip().lower() or DEFAULT_POLICY
+        if policy not in POLICIES:
+            raise ValueError(f"{ENV_POLICY}: expected one of {POLICIES}, got {policy!r}")
+    elif policy not in POLICIES:
+        raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
+    return policy
+
+
+def resolve_debug(debug: bool | None = None) -> bool:
+    """``debug`` if given, else ``$VLLM_DSV4_WORKSPACE_DEBUG`` in {1,true,yes}."""
+    if debug is not None:
+        return bool(debug)
+    return os.environ.get(ENV_DEBUG, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _poison(views: Mapping[str, torch.Tensor]) -> None:
+    for v in views.values():
+        if v.dtype.is_floating_point:
+            # All-ones bytes are NaN in bf16, fp32 and float8_e4m3fn alike.
+            v.view(torch.uint8).fill_(0xFF)
+        elif v.dtype == torch.uint8:
+            v.fill_(0xFF)
+        else:
+            # Not -1: that is the valid "no index" pad of the top-k buffers.
+            v.fill_(torch.iinfo(v.dtype).min)
+
+
+class _Slot:
+    __slots__ = (
+        "ubatch",
+        "family",
+        "index",
+        "offset",
+        "nbytes",
+        "buffers",
+        "views",
+        "holder",
+        "last_streams",
+        "events",
+    )
+
+    def __init__(
+        self,
+        ubatch: int,
+        family: str,
+        index: int,
+        offset: int,
+        nbytes: int,
+        buffers: tuple[tuple[BufferSpec, int], ...],
+    ) -> None:
+        self.ubatch = ubatch
+        self.family = family
+        self.index = index
+        self.offset = offset
+        self.nbytes = nbytes
+        self.buffers = buffers  # (spec, absolute byte offset in the storage)
+        self.views: dict[int, Mapping[str, torch.Tensor]] = {}
+        self.holder: Lease | None = None
+        self.last_streams: tuple[Any, ...] = ()
+        self.events: dict[Any, Any] = {}
+
+
+class Lease:
+    """Views of one family for one layer, valid until ``release()``.
+
+    ``lease[name]`` / ``lease.views[name]`` is a ``[num_tokens, ...]`` tensor
+    (layouts in ``sizing``). Use as a context manager or call ``release()``
+    once the last consumer kernel is enqueued; declare every stream other
+    than the producer's that touches the views with ``used_on`` first.
+    """
+
+    __slots__ = (
+        "_manager",
+        "_slot",
+        "layer_name",
+        "family",
+        "num_tokens",
+        "ubatch",
+        "stream",
+        "views",
+        "nbytes",
+        "_streams",
+        "_keys",
+        "active",
+    )
+
+    def __init__(
+        self,
+        manager: WorkspaceManager,
+        slot: _Slot | None,
+        layer_name: str,
+        family: str,
+        num_tokens: int,
+        ubatch: int,
+        stream: Any,
+        stream_key: Any,
+        views: Mapping[str, torch.Tensor],
+        nbytes: int,
+    ) -> None:
+        self._manager = manager
+        self._slot = slot
+        self.layer_name = layer_name
+        self.family = family
+        self.num_tokens = num_tokens
+        self.ubatch = ubatch
+        self.stream = stream
+        self.views = views
+        self.nbytes = nbytes
+        self._streams: list[Any] = [stream]
+        self._keys: list[Any] = [stream_key]
+        self.active = True
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.views[name]
+
+    def used_on(self, *streams: Any) -> Lease:
+        """Declare streams (besides the producer's) that read or write the views."""
+        if not self.active:
+            raise WorkspaceLeaseError(
+                f"lease of {self.family!r} for layer {self.layer_name!r} was released; "
+                "declare consumer streams before release()"
+            )
+        key_of = self._manager._backend.stream_key
+        for s in streams:
+            k = key_of(s)
+            if k not in self._keys:
+                self._keys.append(k)
+                self._streams.append(s)
+        return self
+
+    @property
+    def streams(self) -> tuple[Any, ...]:
+        """Producer stream first, then the declared consumer streams."""
+        return tuple(self._streams)
+
+    def release(self) -> None:
+        """End the lease (after the last consumer is enqueued on its stream)."""
+        self._manager._release(self)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.active:
+            self.release()
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "released"
+        return (
+            f"Lease({self.layer_name!r}, {self.family!r}, T={self.num_tokens}, "
+            f"ubatch={self.ubatch}, {state})"
+        )
+
+
+class WorkspaceManager:
+    """Preallocated, per-layer, stream-fenced workspace (see module docstring).
+
+    Args:
+        config: sizing inputs (``WorkspaceConfig``).
+        layers: ``(name, compress_ratio)`` per attention layer; default
+            ``("layers.{i}", r)`` for ``config.compress_ratios``. More can be
+            added with ``add_layer`` before ``reserve()``.
+        policy: ``"shared"``, ``"private"`` or ``"off"``; ``None`` reads
+            ``$VLLM_DSV4_WORKSPACE`` (default ``shared``).
+        device: where the storage lives.
+        streams: the ``StreamBackend``; default CUDA streams on CUDA devices,
+            no streams on CPU; tests pass a ``SimStreamBackend``.
+        debug: poison released regions and check overlaps; ``None`` reads
+            ``$VLLM_DSV4_WORKSPACE_DEBUG``.
+        shared_slots: slots per family and micro-batch under ``shared``
+            (1 = least memory; 2 = ping-pong, so layer ``n+1``'s producer
+            need not wait for layer ``n``'s consumer, at twice the memory).
+        _unsafe_disable_fences_for_tests: skip every event wait (tests use it
+            to prove the race test detects the #52836 corruption). Never set
+            it anywhere else.
+    """
+
+    def __init__(
+        self,
+        config: WorkspaceConfig,
+        layers: Sequence[tuple[str, int]] | None = None,
+        *,
+        policy: str | None = None,
+        device: torch.device | str = "cpu",
+        streams: StreamBackend | None = None,
+        debug: bool | None = None,
+        shared_slots: int = 1,
+        _unsafe_disable_fences_for_tests: bool = False,
+    ) -> None:
+        if not isinstance(config, WorkspaceConfig):
+            raise ValueError(f"config: expected a WorkspaceConfig, got {type(config).__name__}")
+        self.config = config
+        self.policy = resolve_policy(policy)
+        self.debug = resolve_debug(debug)
+        self.device = torch.device(device)
+        self._backend: StreamBackend = streams if streams is not None \
+            else default_backend(self.device)
+        if not isinstance(shared_slots, int) or shared_slots < 1:
+            raise ValueError(f"shared_slots: expected a positive int, got {shared_slots!r}")
+        self.shared_slots = shared_slots
+        self._fences_enabled = not _unsafe_disable_fences_for_tests
+        self._layers: dict[str, int] = {}
+        if layers is None:
+            layers = [(f"layers.{i}", r) for i, r in enumerate(config.compress_ratios)]
+        for name, ratio in layers:
+            self.add_layer(name, ratio)
+
+        self._reserved = False
+        self._storage: torch.Tensor | None = None
+        self._layout: Layout | None = None
+        self._slots: list[_Slot] = []
+        # (layer, family, ubatch) -> _Slot, or the family's specs under "off".
+        self._lookup: dict[tuple[str, str, int], Any] = {}
+        self._live: list[Lease] = []  # debug only
+
+        self._leases_total = 0
+        self._leases_step = 0
+        self._leases_last_step = 0
+        self._leased_bytes = 0
+        self._peak_leased_bytes = 0
+        self._fence_waits_total = 0
+        self._fence_waits_step = 0
+        self._fence_waits_last_step = 0
+        self._allocs_total = 0
+        self._allocs_step = 0
+        self._allocs_last_step = 0
+        self._counted_last_step: int | None = None
+        self._steps = 0
+        self._in_step = False
+        self._step_counter: AllocationCounter | None = None
+
+    # --- setup ----------------------------------------------------------------------
+
+    def add_layer(self, name: str, compress_ratio: int) -> None:
+        """Register an attention layer (before ``reserve()``)."""
+        if getattr(self, "_reserved", False):
+            raise WorkspaceLeaseError(
+                f"add_layer({name!r}): the workspace is already reserved; register every "
+                "layer before reserve()"
+            )
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name: expected a non-empty str, got {name!r}")
+        layer_families(compress_ratio)  # validates
+        if name in self._layers:
+            raise ValueError(f"name: layer {name!r} is already registered")
+        self._layers[name] = compress_ratio
+
+    @property
+    def layers(self) -> dict[str, int]:
+        """Registered layers: name -> compress ratio."""
+        return dict(self._layers)
+
+    @property
+    def backend(self) -> StreamBackend:
+        return self._backend
+
+    def layer_families(self, layer_name: str) -> tuple[str, ...]:
+        """Families ``layer_name`` may lease."""
+        if layer_name not in self._layers:
+            raise ValueError(f"layer_name: {layer_name!r} is not a registered layer")
+        return layer_families(self._layers[layer_name])
+
+    def _plan_layout(self) -> Layout:
+        return plan_layout(
+            self.config, list(self._layers.values()), self.policy, self.shared_slots
+        )
+
+    def reserve(self) -> None:
+        """Allocate all storage now (at model load, before memory profiling).
+
+        Idempotent. Under ``off`` nothing is allocated.
+        """
+        if self._reserved:
+            return
+        layout = self._plan_layout()
+        self._layout = layout
+        if layout.total_bytes:
+            self._storage = torch.empty(layout.total_bytes, dtype=torch.uint8, device=self.device)
+            if self.debug:
+                self._storage.fill_(0xFF)
+        by_key: dict[tuple[int, str, int], _Slot] = {}
+        for s in layout.slots:
+            bufs: list[tuple[BufferSpec, int]] = []
+            off = s.offset
+            for spec in self.config.family_buffers(s.family):
+                bufs.append((spec, off))
+                n = spec.nbytes(self.config.max_num_batched_tokens)
+                off += (n + 255) // 256 * 256
+            if off - s.offset > s.nbytes:
+                raise AssertionError(f"slot {s} too small for its views")
+            slot = _Slot(s.ubatch, s.family, s.index, s.offset, s.nbytes, tuple(bufs))
+            self._slots.append(slot)
+            by_key[(s.ubatch, s.family, s.index)] = slot
+        names = list(self._layers)
+        for (li, fam), idx in layout.slot_of.items():
+            for u in range(self.config.num_ubatches):
+                if self.policy == "off":
+                    self._lookup[(names[li], fam, u)] = self.config.family_buffers(fam)
+                else:
+                    self._lookup[(names[li], fam, u)] = by_key[(u, fam, idx)]
+        self._reserved = True
+
+    @property
+    def reserved(self) -> bool:
+        return self._reserved
+
+    @property
+    def storage(self) -> torch.Tensor | None:
+        """The single uint8 storage behind every slot (``None`` under ``off``)."""
+        return self._storage
+
+    # --- leases ---------------------------------------------------------------------
+
+    def lease(
+        self,
+        layer_name: str,
+        family: str,
+        num_tokens: int,
+        ubatch: int = 0,
+        stream: Any = None,
+    ) -> Lease:
+        """Views of ``family`` for ``num_tokens`` tokens of ``layer_name``.
+
+        ``stream`` is the producer's stream (default: the current stream); the
+        manager makes it wait for the previous users of the memory first.
+        Raises ``WorkspaceCapacityError`` beyond the reservation, ``ValueError``
+        for an unknown layer/family/micro-batch and ``WorkspaceLeaseError`` if
+        the slot is still leased (or, in debug mode, on byte overlap).
+        """
+        if not self._reserved:
+            raise WorkspaceLeaseError(
+                "lease() before reserve(): reserve the workspace at model load so memory "
+                "profiling sees it"
+            )
+        entry = self._lookup.get((layer_name, family, ubatch))
+        if entry is None:
+            self._raise_lookup_error(layer_name, family, ubatch)
+        if type(num_tokens) is not int or not 0 <= num_tokens <= \
+                self.config.max_num_batched_tokens:
+            self._raise_tokens_error(layer_name, family, ubatch, num_tokens)
+        backend = self._backend
+        if stream is None:
+            stream = backend.current_stream()
+        key = backend.stream_key(stream)
+
+        if self.policy == "off":
+            specs: tuple[BufferSpec, ...] = entry
+            views: dict[str, torch.Tensor] = {}
+            with self._alloc_context(stream):
+                for spec in specs:
+                    views[spec.name] = torch.empty(
+                        (num_tokens, *spec.per_token_shape), dtype=spec.dtype, device=self.device
+                    )
+            self._allocs_total += len(specs)
+            self._allocs_step += len(specs)
+            nbytes = sum(spec.nbytes(num_tokens) for spec in specs)
+            lease = Lease(self, None, layer_name, family, num_tokens, ubatch, stream, key,
+                          views, nbytes)
+        else:
+            slot: _Slot = entry
+            if slot.holder is not None:
+                h = slot.holder
+                raise WorkspaceLeaseError(
+                    f"workspace slot {slot.family}[{slot.index}] (ubatch {slot.ubatch}) is still "
+                    f"leased by layer {h.layer_name!r}; release() it after its last consumer "
+                    f"before layer {layer_name!r} takes it"
+                )
+            sviews = slot.views.get(num_tokens)
+            if sviews is None:
+                sviews = self._make_views(slot, num_tokens)
+            nbytes = sum(spec.nbytes(num_tokens) for spec, _ in slot.buffers)
+            lease = Lease(self, slot, layer_name, family, num_tokens, ubatch, stream, key,
+                          sviews, nbytes)
+            if self.debug:
+                self._check_overlap(lease)
+            self._fence(slot, stream, key)
+            slot.holder = lease
+            if self.debug:
+                self._live.append(lease)
+
+        self._leases_total += 1
+        self._leases_step += 1
+        self._leased_bytes += nbytes
+        if self._leased_bytes > self._peak_leased_bytes:
+            self._peak_leased_bytes = self._leased_bytes
+        return lease
+
+    @contextlib.contextmanager
+    def _alloc_context(self, stream: Any) -> Iterator[None]:
+        # The caching allocator ties a block to the stream it is allocated on.
+        if self.device.type == "cuda":
+            with torch.cuda.stream(stream):
+                yield
+        else:
+            yield
+
+    def _fence(self, slot: _Slot, stream: Any, key: Any) -> None:
+        last = slot.last_streams
+        if not last:
+            return
+        backend = self._backend
+        for s in last:
+            k = backend.stream_key(s)
+            if k == key:
+                continue  # same FIFO queue: already ordered after the old users
+            if not self._fences_enabled:
+                continue
+            ev = slot.events.get(k)
+            if ev is None:
+                ev = slot.events[k] = backend.new_event()
+            backend.record(ev, s)
+            backend.wait(stream, ev)
+            self._fence_waits_total += 1
+            self._fence_waits_step += 1
+        slot.last_streams = ()
+
+    def _make_views(self, slot: _Slot, num_tokens: int) -> Mapping[str, torch.Tensor]:
+        assert self._storage is not None
+        views: dict[str, torch.Tensor] = {}
+        for spec, off in slot.buffers:
+            n = spec.nbytes(num_tokens)
+            views[spec.name] = (
+                self._storage[off : off + n]
+                .view(spec.dtype)
+                .view(num_tokens, *spec.per_token_shape)
+            )
+        proxy = types.MappingProxyType(views)
+        slot.views[num_tokens] = proxy
+        return proxy
+
+    def _byte_ranges(self, lease: Lease) -> list[tuple[int, int]]:
+        assert lease._slot is not None
+        return [(off, off + spec.nbytes(lease.num_tokens)) for spec, off in lease._slot.buffers]
+
+    def _check_overlap(self, lease: Lease) -> None:
+        mine = self._byte_ranges(lease)
+        for other in self._live:
+            for a0, a1 in mine:
+                for b0, b1 in self._byte_ranges(other):
+                    if a0 < b1 and b0 < a1:
+                        raise WorkspaceLeaseError(
+                            f"overlapping leases: layer {lease.layer_name!r} {lease.family!r} "
+                            f"(ubatch {lease.ubatch}) bytes [{a0}, {a1}) overlap live layer "
+                            f"{other.layer_name!r} {other.family!r} (ubatch {other.ubatch}) "
+                            f"bytes [{b0}, {b1})"
+                        )
+
+    def _release(self, lease: Lease) -> None:
+        if not lease.active:
+            raise WorkspaceLeaseError(f"{lease!r} released twice")
+        lease.active = False
+        slot = lease._slot
+        backend = self._backend
+        if slot is None:  # "off": the allocator must know every consumer stream
+            for s in lease._streams[1:]:
+                for v in lease.views.values():
+                    backend.record_stream(v, s)
+        else:
+            if self.debug:
+                # Poison after every consumer: fence the producer's stream behind
+                # them, then fill there. The slot's last user is then that stream.
+                producer = lease._streams[0]
+                slot.last_streams = tuple(lease._streams)
+                self._fence(slot, producer, lease._keys[0])
+                views = lease.views
+                backend.launch(producer, lambda: _poison(views))
+                slot.last_streams = (producer,)
+                self._live.remove(lease)
+            else:
+                slot.last_streams = tuple(lease._streams)
+            slot.holder = None
+        self._leased_bytes -= lease.nbytes
+
+    def mark_synchronized(self) -> None:
+        """Forget fence state after the caller synchronized the device.
+
+        Call after ``torch.cuda.synchronize()`` (e.g. before CUDA-graph
+        capture, where an event recorded outside the capture must not be
+        waited on); all earlier users of every slot are then complete.
+        """
+        for slot in self._slots:
+            if slot.holder is not None:
+                raise WorkspaceLeaseError(
+                    f"mark_synchronized() with a live lease: {slot.holder!r}"
+                )
+            slot.last_streams = ()
+
+    # --- errors ---------------------------------------------------------------------
+
+    def _raise_lookup_error(self, layer_name: Any, family: Any, ubatch: Any) -> None:
+        if layer_name not in self._layers:
+            raise ValueError(f"layer_name: {layer_name!r} is not a registered layer")
+        if family not in FAMILIES:
+            raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
+        fams = layer_families(self._layers[layer_name])
+        if family not in fams:
+            raise ValueError(
+                f"family: layer {layer_name!r} (compress_ratio {self._layers[layer_name]}) has "
+                f"no {family!r} workspace; its families are {fams}"
+            )
+        raise ValueError(
+            f"ubatch: expected an int in [0, {self.config.num_ubatches}) "
+            f"(WorkspaceConfig.num_ubatches), got {ubatch!r}"
+        )
+
+    def _raise_tokens_error(
+        self, layer_name: str, family: str, ubatch: int, num_tokens: Any
+    ) -> None:
+        if type(num_tokens) is not int or num_tokens < 0:
+            raise ValueError(f"num_tokens: expected a non-negative int, got {num_tokens!r}")
+        specs = self.config.family_buffers(family)
+        req = sum(s.nbytes(num_tokens) for s in specs)
+        cap = self.config.max_num_batched_tokens
+        res = sum(s.nbytes(cap) for s in specs)
+        raise WorkspaceCapacityError(
+            f"workspace family {family!r} of layer {layer_name!r} (ubatch {ubatch}): requested "
+            f"{num_tokens} tokens = {req} bytes, reserved {cap} tokens = {res} bytes. The "
+            "workspace never grows after load: raise max_num_batched_tokens "
+            "(WorkspaceConfig.max_num_batched_tokens, vLLM --max-num-batched-tokens) or run "
+            f"with {ENV_POLICY}=off"
+        )
+
+    # --- observability --------------------------------------------------------------
+
+    def begin_step(self, *, count_allocations: bool = False) -> None:
+        """Start a step's counters; ``count_allocations`` also counts every
+        tensor allocation until ``end_step`` (``AllocationCounter``)."""
+        if self._in_step:
+            raise WorkspaceLeaseError("begin_step() inside a step; call end_step() first")
+        self._in_step = True
+        self._leases_step = 0
+        self._fence_waits_step = 0
+        self._allocs_step = 0
+        if count_allocations:
+            dev = self.device if self.device.type == "cuda" else None
+            self._step_counter = AllocationCounter(dev)
+            self._step_counter.__enter__()
+
+    def end_step(self) -> None:
+        """Close the step: its counters become the ``*_last_step`` stats."""
+        if not self._in_step:
+            raise WorkspaceLeaseError("end_step() without begin_step()")
+        self._in_step = False
+        counter, self._step_counter = self._step_counter, None
+        if counter is not None:
+            counter.__exit__(None, None, None)
+            self._counted_last_step = counter.count
+        else:
+            self._counted_last_step = None
+        self._leases_last_step = self._leases_step
+        self._fence_waits_last_step = self._fence_waits_step
+        self._allocs_last_step = self._allocs_step
+        self._steps += 1
+
+    @contextlib.contextmanager
+    def step(self, *, count_allocations: bool = False) -> Iterator[WorkspaceManager]:
+        """``begin_step``/``end_step`` as a context manager."""
+        self.begin_step(count_allocations=count_allocations)
+        try:
+            yield self
+        finally:
+            self.end_step()
+
+    def reserved_bytes_per_family(self) -> dict[str, int]:
+        per = dict.fromkeys(FAMILIES, 0)
+        for s in self._slots:
+            per[s.family] += s.nbytes
+        return per
+
+    def reserved_bytes_per_layer(self) -> dict[str, int]:
+        """Bytes each layer can lease (all micro-batches); under ``shared`` the
+        slots are common to many layers, so these do not add up to the total."""
+        out = dict.fromkeys(self._layers, 0)
+        if self.policy == "off" or not self._reserved:
+            return out
+        for (name, _fam, _u), slot in self._lookup.items():
+            out[name] += slot.nbytes
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        """Counters; the keys are stable (documented in docs/workspace.md).
+
+        ``policy``, ``debug``, ``fences_enabled``, ``device``, ``num_ubatches``,
+        ``max_num_batched_tokens``, ``shared_slots``, ``num_layers``,
+        ``reserved`` (bool), ``reserved_bytes_total``,
+        ``reserved_bytes_per_family`` {family: bytes},
+        ``reserved_bytes_per_layer`` {layer: bytes it can lease},
+        ``num_slots``, ``leases_total``, ``leases_this_step``,
+        ``leases_last_step``, ``leased_bytes_now``, ``peak_leased_bytes``,
+        ``fence_waits_total``, ``fence_waits_last_step``,
+        ``allocations_total`` / ``allocations_this_step`` /
+        ``allocations_last_step`` (tensors the manager allocated after
+        ``reserve()``: 0 unless ``off``), ``counted_allocations_last_step``
+        (every allocation in the last step if it was begun with
+        ``count_allocations=True``, else ``None``), ``steps``.
+        """
+        return {
+            "policy": self.policy,
+            "debug": self.debug,
+            "fences_enabled": self._fences_enabled,
+            "device": str(self.device),
+            "num_ubatches": self.config.num_ubatches,
+            "max_num_batched_tokens": self.config.max_num_batched_tokens,
+            "shared_slots": self.shared_slots,
+            "num_layers": len(self._layers),
+            "reserved": self._reserved,
+            "reserved_bytes_total": 0 if self._layout is None else self._layout.total_bytes,
+            "reserved_bytes_per_family": self.reserved_bytes_per_family(),
+            "reserved_bytes_per_layer": self.reserved_bytes_per_layer(),
+            "num_slots": len(self._slots),
+            "leases_total": self._leases_total,
+            "leases_this_step": self._leases_step,
+            "leases_last_step": self._leases_last_step,
+            "leased_bytes_now": self._leased_bytes,
+            "peak_leased_bytes": self._peak_leased_bytes,
+            "fence_waits_total": self._fence_waits_total,
+            "fence_waits_last_step": self._fence_waits_last_step,
+            "allocations_total": self._allocs_total,
+            "allocations_this_step": self._allocs_step,
+            "allocations_last_step": self._allocs_last_step,
+            "counted_allocations_last_step": self._counted_last_step,
+            "steps": self._steps,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"WorkspaceManager(policy={self.policy!r}, layers={len(self._layers)}, "
+            f"reserved={self._reserved}, bytes="
+            f"{0 if self._layout is None else self._layout.total_bytes})"
+        )
