@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from vllm_dsv4_backend.workspace import (
+    NullStreamBackend,
     SimStreamBackend,
     WorkspaceConfig,
     WorkspaceLeaseError,
@@ -279,3 +280,26 @@ def test_stamps_cover_every_view_byte():
     be.execute(None)
     assert k.mismatches() == [("partial (start)", 1), ("partial (end)", 1)]
     assert torch.all(ls["local"] == 42)
+
+
+@pytest.mark.parametrize("use_numpy", [True, False])
+def test_program_on_one_inline_stream_is_clean(use_numpy):
+    # Sanity of the program and of both stamp-kernel flavours (the torch one is
+    # what the CUDA test runs): with every role on one in-order stream there is
+    # nothing to race, so every check must pass, and a tampered byte must not.
+    be = NullStreamBackend()
+    mgr = WorkspaceManager(small_config(ratios=(0, 4, 128, 4)), policy="shared", streams=be)
+    mgr.reserve()
+    k = StampKernels(be, use_numpy=use_numpy)
+    one = {r: be.current_stream() for r in STREAM_ROLES}
+    for variant in ("wide", "narrow"):
+        enqueue_dsv4_step(mgr, k, [one, one], (5, T_MAX), variant=variant)
+    enqueue_dsv4_step(mgr, k, [one, one], (2, 3), variant="random", rng=random.Random(0))
+    assert k.mismatches() == []
+    assert k.num_produced > 0 and len(k._counts) > 0
+    ls = mgr.lease("layers.1", "compressor", 4)
+    k.produce(be.current_stream(), ls, 7)
+    ls["scratch"][3, 5] = 1.0
+    k.consume(be.current_stream(), ls, 7, "tampered")
+    ls.release()
+    assert k.mismatches() == [("tampered (start)", 1), ("tampered (end)", 1)]

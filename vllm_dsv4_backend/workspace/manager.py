@@ -146,7 +146,8 @@ class _Slot:
         self.offset = offset
         self.nbytes = nbytes
         self.buffers = buffers  # (spec, absolute byte offset in the storage)
-        self.views: dict[int, Mapping[str, torch.Tensor]] = {}
+        # T -> (views of the first T rows, their bytes); built once per T.
+        self.views: dict[int, tuple[Mapping[str, torch.Tensor], int]] = {}
         self.holder: Lease | None = None
         self.last_streams: tuple[Any, ...] = ()
         self.events: dict[Any, Any] = {}
@@ -368,8 +369,12 @@ class WorkspaceManager:
         self._layout = layout
         if layout.total_bytes:
             self._storage = torch.empty(layout.total_bytes, dtype=torch.uint8, device=self.device)
-            if self.debug:
-                self._storage.fill_(0xFF)
+        poison_stream = None
+        if self.debug and self._storage is not None:
+            # The fill is the first user of every slot: fence the first leases behind it.
+            poison_stream = self._backend.current_stream()
+            storage = self._storage
+            self._backend.launch(poison_stream, lambda: storage.fill_(0xFF))
         by_key: dict[tuple[int, str, int], _Slot] = {}
         for s in layout.slots:
             bufs: list[tuple[BufferSpec, int]] = []
@@ -381,6 +386,8 @@ class WorkspaceManager:
             if off - s.offset > s.nbytes:
                 raise AssertionError(f"slot {s} too small for its views")
             slot = _Slot(s.ubatch, s.family, s.index, s.offset, s.nbytes, tuple(bufs))
+            if poison_stream is not None:
+                slot.last_streams = (poison_stream,)
             self._slots.append(slot)
             by_key[(s.ubatch, s.family, s.index)] = slot
         names = list(self._layers)
@@ -457,10 +464,10 @@ class WorkspaceManager:
                     f"leased by layer {h.layer_name!r}; release() it after its last consumer "
                     f"before layer {layer_name!r} takes it"
                 )
-            sviews = slot.views.get(num_tokens)
-            if sviews is None:
-                sviews = self._make_views(slot, num_tokens)
-            nbytes = sum(spec.nbytes(num_tokens) for spec, _ in slot.buffers)
+            cached = slot.views.get(num_tokens)
+            if cached is None:
+                cached = self._make_views(slot, num_tokens)
+            sviews, nbytes = cached
             lease = Lease(self, slot, layer_name, family, num_tokens, ubatch, stream, key,
                           sviews, nbytes)
             if self.debug:
@@ -506,19 +513,23 @@ class WorkspaceManager:
             self._fence_waits_step += 1
         slot.last_streams = ()
 
-    def _make_views(self, slot: _Slot, num_tokens: int) -> Mapping[str, torch.Tensor]:
+    def _make_views(
+        self, slot: _Slot, num_tokens: int
+    ) -> tuple[Mapping[str, torch.Tensor], int]:
         assert self._storage is not None
         views: dict[str, torch.Tensor] = {}
+        total = 0
         for spec, off in slot.buffers:
             n = spec.nbytes(num_tokens)
+            total += n
             views[spec.name] = (
                 self._storage[off : off + n]
                 .view(spec.dtype)
                 .view(num_tokens, *spec.per_token_shape)
             )
-        proxy = types.MappingProxyType(views)
-        slot.views[num_tokens] = proxy
-        return proxy
+        entry = (types.MappingProxyType(views), total)
+        slot.views[num_tokens] = entry
+        return entry
 
     def _byte_ranges(self, lease: Lease) -> list[tuple[int, int]]:
         assert lease._slot is not None

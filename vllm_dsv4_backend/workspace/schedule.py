@@ -67,18 +67,23 @@ class StampKernels:
     ``mismatches()`` once the work ran). ``reset()`` zeroes the counts before
     a program is executed again.
 
-    On CPU the kernels touch the leased memory through NumPy views of the
-    same bytes (a few times faster than tiny torch ops, which lets the
-    simulation run hundreds of schedules); elsewhere they are torch kernels
-    whose counts live in 0-dim int64 tensors on ``device``.
+    With ``use_numpy`` (default on CPU) the kernels touch the leased memory
+    through NumPy views of the same bytes (a few times faster than tiny torch
+    ops, which lets the simulation run hundreds of schedules); otherwise they
+    are torch kernels whose counts live in 0-dim int64 tensors on ``device``,
+    allocated on the consumer's stream.
     """
 
     def __init__(self, backend: StreamBackend, device: torch.device | str = "cpu",
-                 sleep_cycles: int = 0) -> None:
+                 sleep_cycles: int = 0, use_numpy: bool | None = None) -> None:
         self.backend = backend
         self.device = torch.device(device)
         self.sleep_cycles = sleep_cycles
-        self._cpu = self.device.type == "cpu"
+        if use_numpy is None:
+            use_numpy = self.device.type == "cpu"
+        if use_numpy and self.device.type != "cpu":
+            raise ValueError(f"use_numpy: needs a CPU device, got {self.device}")
+        self._cpu = use_numpy
         self._tags: list[str] = []
         self._counts: list[Any] = []  # int (CPU) or 0-dim int64 tensor
         self.num_produced = 0
@@ -123,8 +128,16 @@ class StampKernels:
             self.backend.launch(stream, lambda: check(i))
             self.backend.launch(stream, lambda: check(i + 1))
         else:
-            before = torch.zeros((), dtype=torch.int64, device=self.device)
-            after = torch.zeros((), dtype=torch.int64, device=self.device)
+            # Zeroed on the consumer's stream, so the zeroing is ordered before
+            # the checks without tying that stream to any other.
+            cnt: list[torch.Tensor] = []
+            self.backend.launch(stream, lambda: cnt.extend(
+                torch.zeros((), dtype=torch.int64, device=self.device) for _ in range(2)
+            ))
+            if not cnt:
+                raise RuntimeError("StampKernels with use_numpy=False needs a backend "
+                                   "that launches immediately (CUDA or no streams)")
+            before, after = cnt
             self._counts += [before, after]
             sleep = self.sleep_cycles
 
@@ -149,7 +162,13 @@ class StampKernels:
                 c.zero_()
 
     def mismatches(self) -> list[tuple[str, int]]:
-        """``(tag, wrong words)`` for every check that saw a wrong stamp."""
+        """``(tag, wrong words)`` for every check that saw a wrong stamp.
+
+        On CUDA this synchronizes the device first (the checks ran on other
+        streams than the one ``.item()`` would use).
+        """
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         return [(t, int(c)) for t, c in zip(self._tags, self._counts) if int(c)]
 
 
