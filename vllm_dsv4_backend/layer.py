@@ -44,7 +44,7 @@ from vllm.models.deepseek_v4.cpu.cpu_sparse import (
 )
 from vllm.models.deepseek_v4.cpu.cpu_utils import map_local_to_global_slots_cpu
 
-from vllm_dsv4_backend import envs, ops
+from vllm_dsv4_backend import eager, envs, ops
 from vllm_dsv4_backend.backend import (
     DSV4FlashMLASparseBackend,
     DSV4SWABackend,
@@ -352,7 +352,7 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
             q,
             kv,
             positions,
-            self._block_view(self.swa_cache_layer.kv_cache, swa_md.block_size),
+            eager.block_view(self.swa_cache_layer.kv_cache, swa_md.block_size),
             swa_md.slot_mapping,
             self.rotary_emb.cos_sin_cache,
             self.eps,
@@ -417,35 +417,31 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         try:
             if self.compress_ratio > 1:
                 flash_md = attn_metadata[self.prefix]
-                extra_cache = self._block_view(self.kv_cache, flash_md.block_size
-                                               // self.compress_ratio)
+                entries_per_block = flash_md.block_size // self.compress_ratio
+                extra_cache = eager.block_view(self.kv_cache, entries_per_block)
                 if self.indexer is not None:
                     topk_lease = self._select_topk(
                         attn_metadata, flash_md, swa_md, positions, num_tokens,
                         index_q, index_q_scale, index_weights,
                     )
-                    extra_indices = topk_lease["global"].unsqueeze(1)
-                    extra_lens = topk_lease["lens"]
+                    extra_indices, extra_lens = topk_lease["global"], topk_lease["lens"]
                 else:
-                    extra_indices = flash_md.c128_indices.unsqueeze(1)
-                    extra_lens = flash_md.c128_lens
+                    extra_indices, extra_lens = flash_md.c128_indices, flash_md.c128_lens
 
-            path = self._kernel_path
-            if path is None:
-                path = self._kernel_path = ops.kernel_path(q.device, "decode", need_lse=False)
-                self._log_path(path)
-            ops.sparse_mla_decode(
-                q[:num_tokens].unsqueeze(1),
-                self._block_view(self.swa_cache_layer.kv_cache, swa_md.block_size),
-                swa_md.window_indices.unsqueeze(1),
+            if self._kernel_path is None:
+                self._kernel_path = ops.kernel_path(q.device, "decode", need_lse=False)
+                self._log_path(self._kernel_path)
+            eager.attend(
+                q[:num_tokens],
+                eager.block_view(self.swa_cache_layer.kv_cache, swa_md.block_size),
+                swa_md.window_indices,
                 swa_md.window_lens,
                 self.attn_sink,
                 self.scale,
+                out[:num_tokens],
                 extra_cache,
                 extra_indices,
                 extra_lens,
-                out=out[:num_tokens].unsqueeze(1),
-                need_lse=False,
             )
         finally:
             if topk_lease is not None:
@@ -465,58 +461,32 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         """C4: causal top-k of the indexer, mapped to global compressed slots."""
         indexer = self.indexer
         lease = self._workspace.lease(self.prefix, "topk", num_tokens, ubatch=_ubatch_id())
-        local = lease["local"]
-        t2r = swa_md.token_to_req_indices[:num_tokens]
-        pos = positions[:num_tokens]
-        if index_q is None:
-            # Short context: every visible entry j < (p + 1) // 4 is selected.
-            visible = torch.div(pos + 1, self.compress_ratio, rounding_mode="floor")
-            torch.where(
-                self._topk_arange.unsqueeze(0) < visible.unsqueeze(1),
-                self._topk_arange.unsqueeze(0),
-                self._minus_one,
-                out=local,
+        ind_md = attn_metadata[indexer.k_cache.prefix]
+        try:
+            eager.select_topk_c4(
+                positions=positions[:num_tokens],
+                token_to_req=swa_md.token_to_req_indices[:num_tokens],
+                compressed_block_table=flash_md.block_table,
+                entries_per_block=flash_md.block_size // self.compress_ratio,
+                index_topk=self.index_topk,
+                out_local=lease["local"],
+                out_global=lease["global"],
+                out_lens=lease["lens"],
+                arange=self._topk_arange,
+                minus_one=self._minus_one,
+                index_q=index_q,
+                index_q_scale=index_q_scale,
+                index_weights=index_weights,
+                indexer_k_cache=indexer.k_cache.kv_cache,
+                indexer_block_table=ind_md.block_table,
+                indexer_kv_dtype=self.indexer_kv_dtype,
+                max_compressed=ind_md.max_seq_len // self.compress_ratio,
             )
-        else:
-            ind_md = attn_metadata[indexer.k_cache.prefix]
-            try:
-                seq_lens = torch.div(pos + 1, self.compress_ratio, rounding_mode="floor")
-                logits = indexer_ops.indexer_logits(
-                    index_q,
-                    index_q_scale,
-                    index_weights,
-                    indexer.k_cache.kv_cache,
-                    seq_lens,
-                    ind_md.block_table,
-                    dtype=self.indexer_kv_dtype,
-                    token_to_req=t2r,
-                    max_seq_len=ind_md.max_seq_len // self.compress_ratio,
-                )
-                indexer_ops.indexer_topk(
-                    logits, None, self.index_topk, seq_lens=seq_lens, out=local
-                )
-            finally:
-                if indexer._dsv4_lease is not None:
-                    indexer._dsv4_lease.release()
-                    indexer._dsv4_lease = None
-        indexer_ops.local_to_global(
-            local,
-            t2r,
-            flash_md.block_table,
-            flash_md.block_size // self.compress_ratio,
-            out_indices=lease["global"],
-            out_lens=lease["lens"],
-        )
+        finally:
+            if indexer._dsv4_lease is not None:
+                indexer._dsv4_lease.release()
+                indexer._dsv4_lease = None
         return lease
-
-    @staticmethod
-    def _block_view(cache: torch.Tensor, block_size: int) -> torch.Tensor:
-        """``[num_blocks, block_size, 584]`` view of a paged fp8_ds_mla cache
-        whose per-block bytes may be padded (vLLM aligns blocks to 576 B)."""
-        if cache.dim() == 3 and cache.shape[1] == block_size:
-            return cache
-        flat = cache.view(cache.shape[0], -1)
-        return flat[:, : block_size * 584].view(cache.shape[0], block_size, 584)
 
     def _log_path(self, path: str) -> None:
         kind = self.layer_kind

@@ -1,0 +1,139 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The DeepSeek-V4 attention eager region as plain functions (torch only).
+
+The vLLM layer (:mod:`vllm_dsv4_backend.layer`) and the layer benchmark
+(:mod:`vllm_dsv4_backend.bench`) both run these, so what is measured is what
+is served. Every output goes into caller-owned buffers (workspace leases);
+nothing here allocates a buffer that outlives the call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_dsv4_backend import ops
+from vllm_dsv4_backend.formats.fp8_ds_mla import BYTES_PER_TOKEN as ENTRY_BYTES
+from vllm_dsv4_backend.ops import indexer as indexer_ops
+
+
+def block_view(cache: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[num_blocks, block_size, 584]`` view of a paged fp8_ds_mla cache
+    whose per-block bytes may be padded (vLLM aligns blocks to 576 B)."""
+    if cache.dim() == 3 and cache.shape[1] == block_size and cache.shape[2] == ENTRY_BYTES:
+        return cache
+    flat = cache.view(cache.shape[0], -1)
+    return flat[:, : block_size * ENTRY_BYTES].view(cache.shape[0], block_size, ENTRY_BYTES)
+
+
+def select_topk_c4(
+    *,
+    positions: torch.Tensor,
+    token_to_req: torch.Tensor,
+    compressed_block_table: torch.Tensor,
+    entries_per_block: int,
+    index_topk: int,
+    out_local: torch.Tensor,
+    out_global: torch.Tensor,
+    out_lens: torch.Tensor,
+    arange: torch.Tensor,
+    minus_one: torch.Tensor,
+    index_q: torch.Tensor | None = None,
+    index_q_scale: torch.Tensor | None = None,
+    index_weights: torch.Tensor | None = None,
+    indexer_k_cache: torch.Tensor | None = None,
+    indexer_block_table: torch.Tensor | None = None,
+    indexer_kv_dtype: str = "fp8",
+    max_compressed: int | None = None,
+    compress_ratio: int = 4,
+) -> None:
+    """C4 layers: the lightning indexer's causal top-k as global slots.
+
+    Entry ``j`` is visible to position ``p`` iff ``j < (p + 1) // 4``. With
+    ``index_q=None`` every visible entry is taken (vLLM's short-context rule,
+    valid when no row sees more than ``index_topk`` entries); otherwise
+    indexer logits over the paged indexer K cache pick the ``index_topk`` best.
+
+    Args:
+        positions, token_to_req: ``[T]``.
+        compressed_block_table: ``[R, max_blocks]`` blocks of the 584 B
+            compressed cache; ``entries_per_block`` entries each.
+        out_local / out_global: ``[T, index_topk]`` int32, written (local
+            entry ids, then global slot ids; -1 pads).
+        out_lens: ``[T]`` int32, written: valid entries per row.
+        arange: ``[index_topk]`` int32 ``0..K-1``; ``minus_one``: int32 scalar
+            tensor (both persistent, so the short-context fill allocates
+            nothing).
+        index_q / index_q_scale / index_weights: from
+            ``ops.indexer.indexer_q_rope_quant``.
+        indexer_k_cache, indexer_block_table: the paged indexer K cache and
+            its block table (``[R, max_blocks]``).
+    """
+    visible = torch.div(positions + 1, compress_ratio, rounding_mode="floor")
+    if index_q is None:
+        torch.where(arange.unsqueeze(0) < visible.unsqueeze(1), arange.unsqueeze(0), minus_one,
+                    out=out_local)
+    else:
+        if index_weights is None or indexer_k_cache is None or indexer_block_table is None:
+            raise ValueError(
+                "select_topk_c4: index_q needs index_weights, indexer_k_cache and "
+                "indexer_block_table"
+            )
+        logits = indexer_ops.indexer_logits(
+            index_q,
+            index_q_scale,
+            index_weights,
+            indexer_k_cache,
+            visible,
+            indexer_block_table,
+            dtype=indexer_kv_dtype,
+            token_to_req=token_to_req,
+            max_seq_len=max_compressed,
+        )
+        indexer_ops.indexer_topk(logits, None, index_topk, seq_lens=visible, out=out_local)
+    indexer_ops.local_to_global(
+        out_local,
+        token_to_req,
+        compressed_block_table,
+        entries_per_block,
+        out_indices=out_global,
+        out_lens=out_lens,
+    )
+
+
+def attend(
+    q: torch.Tensor,
+    swa_cache: torch.Tensor,
+    window_indices: torch.Tensor,
+    window_lens: torch.Tensor,
+    attn_sink: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    compressed_cache: torch.Tensor | None = None,
+    compressed_indices: torch.Tensor | None = None,
+    compressed_lens: torch.Tensor | None = None,
+) -> None:
+    """Sparse MLA of ``T`` tokens over their window and compressed entries,
+    one softmax with the sink, written into ``out``.
+
+    Args:
+        q: ``[T, Hp, 512]`` bf16 (padded heads).
+        swa_cache / compressed_cache: fp8_ds_mla ``[num_blocks, B, 584]``.
+        window_indices: ``[T, W]`` int32 global SWA slots, ``window_lens`` ``[T]``.
+        compressed_indices: ``[T, K]`` int32 global slots, ``compressed_lens`` ``[T]``.
+        attn_sink: ``[Hp]`` fp32 (pad heads ``-inf``).
+        out: ``[T, Hp, 512]`` bf16.
+    """
+    ops.sparse_mla_decode(
+        q.unsqueeze(1),
+        swa_cache,
+        window_indices.unsqueeze(1),
+        window_lens,
+        attn_sink,
+        scale,
+        compressed_cache,
+        None if compressed_indices is None else compressed_indices.unsqueeze(1),
+        compressed_lens,
+        out=out.unsqueeze(1),
+        need_lse=False,
+    )
