@@ -1,0 +1,138 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""``VLLM_DSV4_*`` environment variables, read lazily (``vllm.envs`` style).
+
+Read a value with ``vllm_dsv4_backend.envs.VLLM_DSV4_KERNEL`` (evaluated on
+every access, so tests may change ``os.environ``). ``register_with_vllm()``
+merges :data:`environment_variables` into ``vllm.envs.environment_variables``
+so vLLM's ``validate_environ`` does not warn "Unknown vLLM environment
+variable" about them, and ``vllm.envs.VLLM_DSV4_*`` works too.
+
+A malformed value raises ``ValueError`` naming the variable, the allowed
+values and the value received; nothing falls back silently.
+
+Variables:
+
+``VLLM_DSV4_WORKSPACE`` = ``shared`` (default) | ``private`` | ``off``
+    Per-layer workspace policy: ``shared`` shares storage between layers only
+    where a stream/event fence proves no overlap, ``private`` gives every layer
+    its own storage (most memory, no sharing), ``off`` uses the plain caching
+    allocator (the benchmark baseline).
+``VLLM_DSV4_WORKSPACE_DEBUG`` = ``0`` (default) | ``1``
+    Poison released workspace regions with NaN and raise on overlapping leases.
+``VLLM_DSV4_KERNEL`` = ``auto`` (default) | ``torch`` | ``vllm_cpu`` | ``flashmla``
+    Sparse-MLA kernel path of the plugin's layer: vectorized PyTorch (runs
+    anywhere, the oracle), vLLM's C++ CPU kernels, or FlashMLA on CUDA;
+    ``auto`` picks FlashMLA on CUDA and the C++ kernels (else torch) on CPU.
+``VLLM_DSV4_ATTN_IMPL`` = ``auto`` (default) | ``plugin`` | ``vllm``
+    Which DeepSeek-V4 attention layer the model builds: ``plugin`` installs the
+    plugin's layer (error if it is not available), ``vllm`` keeps vLLM's own
+    (``DeepseekV4CPUAttention`` on CPU, for comparison), ``auto`` takes the
+    plugin's layer when ``vllm_dsv4_backend.layer`` provides one and vLLM's
+    otherwise (the choice is printed in the registration log line).
+``VLLM_DSV4_SKIP_VERSION_CHECK`` = ``0`` (default) | ``1``
+    Run on a vLLM version other than 0.32.x / 0.33.x (logged as a warning).
+``VLLM_DSV4_DUMMY_INIT`` = ``1`` (default) | ``0``
+    Honour the ``vllm_dsv4_dummy_init`` marker of a model's ``config.json``
+    under ``--load-format dummy`` (seeded fan-in weights); ``0`` keeps vLLM's
+    own dummy weights.
+``VLLM_DSV4_MARKER_DIR`` = path (default unset)
+    When set, every vLLM process that loads the plugin writes
+    ``<dir>/<role>-<pid>.json`` (role, pid, what it patched) and updates it as
+    patches are applied: the tests' proof that the plugin ran in the API
+    server, engine-core and worker processes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["environment_variables", "register_with_vllm"]
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+def _choice(name: str, default: str, allowed: tuple[str, ...]) -> Callable[[], str]:
+    def read() -> str:
+        value = os.environ.get(name, default).strip().lower() or default
+        if value not in allowed:
+            raise ValueError(
+                f"{name}: expected one of {list(allowed)}, got {os.environ.get(name)!r}"
+            )
+        return value
+
+    return read
+
+
+def _flag(name: str, default: bool) -> Callable[[], bool]:
+    def read() -> bool:
+        raw = os.environ.get(name)
+        if raw is None:
+            return default
+        value = raw.strip().lower()
+        if value in _TRUE:
+            return True
+        if value in _FALSE:
+            return False
+        raise ValueError(f"{name}: expected 0 or 1, got {raw!r}")
+
+    return read
+
+
+def _path(name: str) -> Callable[[], str | None]:
+    def read() -> str | None:
+        value = os.environ.get(name, "").strip()
+        return value or None
+
+    return read
+
+
+environment_variables: dict[str, Callable[[], Any]] = {
+    "VLLM_DSV4_WORKSPACE": _choice("VLLM_DSV4_WORKSPACE", "shared", ("shared", "private", "off")),
+    "VLLM_DSV4_WORKSPACE_DEBUG": _flag("VLLM_DSV4_WORKSPACE_DEBUG", False),
+    "VLLM_DSV4_KERNEL": _choice(
+        "VLLM_DSV4_KERNEL", "auto", ("auto", "torch", "vllm_cpu", "flashmla")
+    ),
+    "VLLM_DSV4_ATTN_IMPL": _choice("VLLM_DSV4_ATTN_IMPL", "auto", ("auto", "plugin", "vllm")),
+    "VLLM_DSV4_SKIP_VERSION_CHECK": _flag("VLLM_DSV4_SKIP_VERSION_CHECK", False),
+    "VLLM_DSV4_DUMMY_INIT": _flag("VLLM_DSV4_DUMMY_INIT", True),
+    "VLLM_DSV4_MARKER_DIR": _path("VLLM_DSV4_MARKER_DIR"),
+}
+
+if False:  # static names for type checkers and IDEs  # noqa: SIM108
+    VLLM_DSV4_WORKSPACE: str = "shared"
+    VLLM_DSV4_WORKSPACE_DEBUG: bool = False
+    VLLM_DSV4_KERNEL: str = "auto"
+    VLLM_DSV4_ATTN_IMPL: str = "auto"
+    VLLM_DSV4_SKIP_VERSION_CHECK: bool = False
+    VLLM_DSV4_DUMMY_INIT: bool = True
+    VLLM_DSV4_MARKER_DIR: str | None = None
+
+
+def __getattr__(name: str) -> Any:
+    if name in environment_variables:
+        return environment_variables[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(environment_variables) + __all__)
+
+
+def register_with_vllm() -> bool:
+    """Merge our variables into ``vllm.envs.environment_variables``.
+
+    Returns True if vLLM exposes that dict (0.32/0.33 do) and it now holds our
+    names; existing entries are never overwritten. Idempotent.
+    """
+    import vllm.envs as vllm_envs
+
+    table = getattr(vllm_envs, "environment_variables", None)
+    if not isinstance(table, dict):
+        return False
+    for name, reader in environment_variables.items():
+        table.setdefault(name, reader)
+    return True

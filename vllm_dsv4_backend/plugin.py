@@ -1,0 +1,196 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The ``vllm.general_plugins`` entry point: ``vllm_dsv4_backend.plugin:register``.
+
+vLLM calls :func:`register` once in every process it starts (API server /
+``LLM`` process, engine core, each worker). It is idempotent (module flag),
+cheap (no DeepSeek-V4 module is imported here: patches are armed and applied
+when vLLM itself imports their targets, see :mod:`vllm_dsv4_backend.vllm_compat`)
+and loud: an unsupported vLLM version raises ``RuntimeError`` unless
+``VLLM_DSV4_SKIP_VERSION_CHECK=1``, and a missing hook point raises
+``PatchError`` when its module is imported.
+
+Per process it logs one line through vLLM's handlers::
+
+    vllm_dsv4_backend 0.1.0: registered FLASHMLA_SPARSE_DSV4 (vLLM 0.32.0, cpu, \
+role worker; attention layer: vllm DeepseekV4CPUAttention; patches armed: ...)
+
+With ``VLLM_DSV4_MARKER_DIR`` set it also writes ``<dir>/<role>-<pid>.json``
+(updated as patches apply), which the tests use to prove the plugin ran
+inside the engine-core and worker processes.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import threading
+from typing import Any
+
+from vllm_dsv4_backend import __version__, envs
+from vllm_dsv4_backend._logging import attach_to_vllm, init_logger
+
+__all__ = ["process_role", "register", "state"]
+
+logger = init_logger(__name__)
+
+_REGISTERED = False
+_lock = threading.RLock()
+_state: dict[str, Any] = {"applied": []}
+
+
+def process_role() -> str:
+    """vLLM role of this process from its multiprocessing name.
+
+    ``frontend`` (API server or ``LLM`` caller), ``engine_core``
+    (``EngineCore[_DPn]``), ``worker`` (``VllmWorker-n``), else the raw name.
+    """
+    name = multiprocessing.current_process().name
+    if name == "MainProcess" or name.startswith("ApiServer"):
+        return "frontend"
+    if name.startswith("EngineCore"):
+        return "engine_core"
+    if name.startswith("VllmWorker") or name.startswith("Worker"):
+        return "worker"
+    return name.replace("/", "_")
+
+
+def state() -> dict[str, Any]:
+    """A copy of what register() did in this process (for tests and logs)."""
+    with _lock:
+        return json.loads(json.dumps(_state))
+
+
+def _write_marker() -> None:
+    marker_dir = envs.VLLM_DSV4_MARKER_DIR
+    if marker_dir is None:
+        return
+    with _lock:
+        payload = json.dumps(_state, indent=2, sort_keys=True)
+        os.makedirs(marker_dir, exist_ok=True)
+        path = os.path.join(marker_dir, f"{_state['role']}-{_state['pid']}.json")
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(payload)
+        os.replace(tmp, path)
+
+
+def _on_applied(desc: str) -> None:
+    with _lock:
+        _state["applied"].append(desc)
+    logger.debug("applied %s", desc)
+    _write_marker()
+
+
+def _platform_name() -> str:
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "cpu"
+    if current_platform.is_cuda():
+        return "cuda"
+    return str(getattr(current_platform, "device_name", None) or current_platform._enum.name)
+
+
+def _select_attention_layer(platform: str) -> str:
+    """Install the plugin's layer per ``VLLM_DSV4_ATTN_IMPL``; describe the choice."""
+    from vllm_dsv4_backend.vllm_compat import attention
+
+    impl = envs.VLLM_DSV4_ATTN_IMPL
+    vllm_layer = {"cpu": "DeepseekV4CPUAttention", "cuda": "_select_dsv4_attn_cls"}.get(
+        platform, "default"
+    )
+    if impl == "vllm":
+        return f"vllm {vllm_layer} (VLLM_DSV4_ATTN_IMPL=vllm)"
+    factory = attention.find_plugin_layer(platform) if platform in ("cpu", "cuda") else None
+    if factory is None:
+        if impl == "plugin":
+            raise RuntimeError(
+                "VLLM_DSV4_ATTN_IMPL=plugin but the plugin ships no DeepSeek-V4 attention "
+                f"layer for platform {platform!r} ({attention.LAYER_MODULE}."
+                f"{attention.LAYER_FACTORY} not found); use VLLM_DSV4_ATTN_IMPL=vllm"
+            )
+        return f"vllm {vllm_layer} (no {attention.LAYER_MODULE} yet)"
+    attention.install_attention_layer(factory, platform=platform, on_applied=_on_applied)
+    return f"plugin {attention.LAYER_MODULE} (VLLM_DSV4_ATTN_IMPL={impl})"
+
+
+def _arm_completeness_check(kernel_modules: list[str]) -> None:
+    """Once the CPU model module is imported, every kernel patch must have run."""
+    from vllm_dsv4_backend.vllm_compat import attention, hooks
+
+    def check(_module: Any) -> None:
+        missing = [m for m in hooks.pending() if m in kernel_modules]
+        if missing:
+            raise hooks.fail(
+                attention.CPU_MODULE,
+                f"the DeepSeek-V4 CPU model was imported but the patched modules {missing} "
+                "were not, so their Triton kernels were not replaced",
+            )
+
+    hooks.when_imported(attention.CPU_MODULE, check)
+
+
+def _arm_cpu_op_fallbacks() -> None:
+    """Torch fallbacks for DeepSeek-V4 C++ ops absent from vLLM's loaded CPU library.
+
+    Armed on the import of the DeepSeek-V4 CPU model, i.e. after vLLM loaded its
+    kernel library (see :mod:`vllm_dsv4_backend.vllm_compat.cpu_ops`).
+    """
+    from vllm_dsv4_backend.vllm_compat import attention, cpu_ops, hooks
+
+    def install(_module: Any) -> None:
+        names = cpu_ops.register_missing()
+        if names:
+            _on_applied(f"cpu_ops:{len(names)} torch fallbacks:{','.join(names)}")
+
+    hooks.when_imported(attention.CPU_MODULE, install)
+
+
+def register() -> None:
+    """Entry point of the ``vllm.general_plugins`` group (idempotent)."""
+    global _REGISTERED
+    with _lock:
+        if _REGISTERED:
+            return
+        attach_to_vllm()
+        import vllm
+
+        from vllm_dsv4_backend.vllm_compat import kernels, loader, version
+
+        vllm_version = str(vllm.__version__)
+        version.check_vllm_version(vllm_version)
+        envs.register_with_vllm()
+        platform = _platform_name()
+        _state.update(
+            role=process_role(),
+            pid=os.getpid(),
+            ppid=os.getppid(),
+            process_name=multiprocessing.current_process().name,
+            plugin_version=__version__,
+            vllm_version=vllm_version,
+            platform=platform,
+        )
+        armed: list[str] = []
+        if platform == "cpu":
+            armed += kernels.arm_cpu_patches(_on_applied)
+            _arm_completeness_check(kernels.kernel_modules())
+            _arm_cpu_op_fallbacks()
+            armed.append("cpu-op-fallbacks")
+        loader.arm_dummy_loader_hook(_on_applied)
+        armed.append("dummy-init")
+        layer = _select_attention_layer(platform)
+        _state.update(armed=armed, attention_layer=layer)
+        _REGISTERED = True
+    logger.info(
+        "vllm_dsv4_backend %s: registered FLASHMLA_SPARSE_DSV4 (vLLM %s, %s, role %s; "
+        "attention layer: %s; patches armed: %s)",
+        __version__,
+        vllm_version,
+        platform,
+        _state["role"],
+        layer,
+        ", ".join(armed),
+    )
+    _write_marker()

@@ -1,0 +1,65 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Hook on vLLM's dummy weight loader for the ``vllm_dsv4_dummy_init`` marker.
+
+``DummyModelLoader.load_weights(self, model, model_config)``
+(``vllm/model_executor/model_loader/dummy_loader.py``) runs vLLM's own dummy
+initialisation; the wrapper then re-initialises the model's parameters with
+:mod:`vllm_dsv4_backend.dummy_init` when ``model_config.hf_config`` carries the
+marker (and ``VLLM_DSV4_DUMMY_INIT`` is not 0). Models without the marker are
+untouched. Runs before ``process_weights_after_loading``, so CPU weight packing
+(``wo_a``'s ``bmm_cpu`` copy, the MoE repacking) sees the new values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from vllm_dsv4_backend import envs
+from vllm_dsv4_backend._logging import init_logger
+from vllm_dsv4_backend.vllm_compat import hooks
+
+__all__ = ["LOADER_MODULE", "LOADER_SYMBOL", "arm_dummy_loader_hook"]
+
+logger = init_logger(__name__)
+
+LOADER_MODULE = "vllm.model_executor.model_loader.dummy_loader"
+LOADER_SYMBOL = "DummyModelLoader.load_weights"
+
+
+def _patch(module: ModuleType, on_applied: Callable[[str], None]) -> None:
+    from vllm_dsv4_backend import dummy_init
+
+    owner, attr, original = hooks.resolve(module, LOADER_SYMBOL)
+    if hooks.is_port(original):
+        return
+    hooks.check_signature(f"{LOADER_MODULE}.{LOADER_SYMBOL}", original, ("model", "model_config"))
+
+    def load_weights(self: Any, model: Any, model_config: Any) -> None:
+        original(self, model, model_config)
+        spec = dummy_init.spec_from_config(model_config.hf_config)
+        if spec is None:
+            return
+        if not envs.VLLM_DSV4_DUMMY_INIT:
+            logger.info("%s marker ignored: VLLM_DSV4_DUMMY_INIT=0", dummy_init.MARKER_KEY)
+            return
+        stats = dummy_init.init_fan_in_normal_(model.named_parameters(), seed=spec.seed)
+        logger.info(
+            "dummy weights: %s (seed %d) on %d parameters (%d non-float left as loaded)",
+            spec.kind,
+            spec.seed,
+            stats["initialised"],
+            stats["untouched"],
+        )
+        on_applied(f"dummy_init:{spec.kind}:seed={spec.seed}:{stats['initialised']}")
+
+    load_weights.__wrapped__ = original  # type: ignore[attr-defined]
+    hooks.replace_attr(owner, attr, load_weights)
+    on_applied(f"loader:{LOADER_MODULE}.{LOADER_SYMBOL}")
+
+
+def arm_dummy_loader_hook(on_applied: Callable[[str], None]) -> None:
+    """Arm the wrapper; it is installed when vLLM imports the dummy loader."""
+    hooks.when_imported(LOADER_MODULE, lambda m: _patch(m, on_applied))
