@@ -626,6 +626,19 @@ def test_logits_match_float64_oracle(dtype):
     _assert_logits_close(got2, want)
     torch.testing.assert_close(got2, got, rtol=1e-6, atol=1e-6 * float(got[got.isfinite()]
                                                                        .abs().max()))
+    # chunks of two tokens: some hold one request only (the shared-K GEMM path on CPU)
+    got3 = ix.indexer_logits(case.q.q, case.q.q_scale, case.q.weights, case.cache,
+                             case.seq_lens, case.block_table, dtype=dtype,
+                             token_to_req=case.token_to_req,
+                             max_chunk_elems=2 * 64 * want.shape[1])
+    _assert_logits_close(got3, want)
+    # a prefill of one request only (every chunk shared)
+    rows = torch.tensor([6, 7, 8])
+    qs3 = None if case.q.q_scale is None else case.q.q_scale[rows]
+    got4 = ix.indexer_logits(case.q.q[rows], qs3, case.q.weights[rows], case.cache,
+                             case.seq_lens[rows], case.block_table, dtype=dtype,
+                             token_to_req=case.token_to_req[rows])
+    _assert_logits_close(got4, want[rows])
 
 
 def test_logits_empty_and_degenerate():

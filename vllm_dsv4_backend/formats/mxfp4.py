@@ -63,13 +63,6 @@ SCALE_BIAS = 127
 NAN_SCALE_BYTE = 0xFF
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
-# Decision boundaries between neighbouring e2m1 magnitudes. A tie goes to
-# the even code, so the boundary belongs to the lower neighbour when that
-# one is even (strict ``>``), and to the upper one otherwise. ``bucketize``
-# counts boundaries strictly below the input, so the ``>=`` thresholds are
-# moved one float32 ulp down (exact: every boundary is a float32).
-_UPPER_WINS = (False, True, False, True, False, True, False)
-_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _AMAX_FLOOR = 6.0 * 2.0**-126
 
 _const_cache: dict[tuple[str, torch.device], torch.Tensor] = {}
@@ -80,11 +73,7 @@ def _const(name: str, device: torch.device) -> torch.Tensor:
     key = (name, device)
     t = _const_cache.get(key)
     if t is None:
-        if name == "bounds":
-            mids = torch.tensor(_MIDPOINTS, dtype=torch.float32)
-            down = torch.nextafter(mids, torch.zeros_like(mids))
-            t = torch.where(torch.tensor(_UPPER_WINS), down, mids)
-        elif name == "values":
+        if name == "values":
             mags = torch.tensor(E2M1_VALUES, dtype=torch.float32)
             t = torch.cat([mags, -mags])
         elif name == "scales":
@@ -134,11 +123,19 @@ def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
         ``[...]`` uint8 nibbles ``sign << 3 | code`` (NaN -> ``sign << 3 | 7``).
     """
     mag = y.abs()
-    code = torch.bucketize(mag, _const("bounds", y.device), right=False)
+    # Grid spacing is 0.5 below 2, 1 in [2, 4) and 2 from 4 on, and there the code
+    # is round(mag / spacing) + (0, 2, 4). torch.round ties to the even integer and
+    # the offsets are even, so ties land on the even code (RNE). The scalings by 2,
+    # 1, 0.5 are exact; the clamp saturates at code 7 (6.0).
+    # (Arithmetic on the two masks rather than torch.where with Python scalars,
+    # which would create scalar tensors on every call.)
+    below2 = (mag < 2).to(torch.float32)
+    below4 = (mag < 4).to(torch.float32)
+    inv_step = below4.mul(0.5).add_(below2).add_(0.5)  # 2, 1, 0.5
+    offset = below4.add_(below2).mul_(-2.0).add_(4.0)  # 0, 2, 4
+    code = torch.round(mag * inv_step).add_(offset).clamp_(max=7)
+    code.masked_fill_(torch.isnan(mag), 7)  # NaN compares false everywhere above
     code = code.to(torch.uint8)
-    # bucketize places NaN past every boundary already (code 7); keep that
-    # explicit rather than rely on it.
-    code.masked_fill_(torch.isnan(mag), 7)
     sign = torch.signbit(y).to(torch.uint8) << 3
     return code | sign
 

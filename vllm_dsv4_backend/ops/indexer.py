@@ -371,10 +371,18 @@ def indexer_logits(
     for t0 in range(0, t, tc):
         t1 = min(t, t0 + tc)
         lens = lens_all[t0:t1]
-        if token_to_req is None:
-            pages = block_table[t0:t1]
-        else:
-            pages = block_table.index_select(0, token_to_req[t0:t1].long())
+        shared_row = None
+        if host_lens is not None and token_to_req is not None:
+            # Prefill: a chunk whose tokens all belong to one request reads one K
+            # sequence; gather and dequantize it once and use one GEMM.
+            reqs = token_to_req[t0:t1]
+            if bool((reqs == reqs[0]).all()):
+                shared_row = block_table[int(reqs[0])]
+        if shared_row is None:
+            if token_to_req is None:
+                pages = block_table[t0:t1]
+            else:
+                pages = block_table.index_select(0, token_to_req[t0:t1].long())
         qf = _dequant_q(q[t0:t1], None if q_scale is None else q_scale[t0:t1], dtype)
         w = weights[t0:t1].unsqueeze(1)
         end = width
@@ -387,13 +395,24 @@ def indexer_logits(
             j = ar[j0:j1]
             page_col = j // bs
             in_table = page_col < max_blocks
-            page = pages.index_select(1, page_col.clamp(max=max_blocks - 1)).long()
-            valid = (j.unsqueeze(0) < lens.unsqueeze(1)) & (page >= 0) & in_table
-            page.masked_fill_(~valid, 0)
-            vals, scs = ic.gather_raw(values_v, scales_v, page, (j % bs).expand_as(page))
-            kf = ic.dequantize_raw(vals, scs, dtype)  # [tc, n, 128]
-            s = torch.bmm(qf, kf.transpose(1, 2)).relu_()  # [tc, H, n]
-            lg = torch.bmm(w, s).squeeze(1)  # [tc, n]
+            page_col = page_col.clamp(max=max_blocks - 1)
+            causal = j.unsqueeze(0) < lens.unsqueeze(1)
+            if shared_row is not None:
+                page = shared_row.index_select(0, page_col).long()
+                mapped = (page >= 0) & in_table
+                page.masked_fill_(~mapped, 0)
+                vals, scs = ic.gather_raw(values_v, scales_v, page, j % bs)
+                kf = ic.dequantize_raw(vals, scs, dtype)  # [n, 128]
+                s = torch.mm(qf.flatten(0, 1), kf.t()).unflatten(0, (t1 - t0, h))
+                valid = causal & mapped.unsqueeze(0)
+            else:
+                page = pages.index_select(1, page_col).long()
+                valid = causal & (page >= 0) & in_table
+                page.masked_fill_(~valid, 0)
+                vals, scs = ic.gather_raw(values_v, scales_v, page, (j % bs).expand_as(page))
+                kf = ic.dequantize_raw(vals, scs, dtype)  # [tc, n, 128]
+                s = torch.bmm(qf, kf.transpose(1, 2))  # [tc, H, n]
+            lg = torch.bmm(w, s.relu_()).squeeze(1)  # [tc, n]
             res[t0:t1, j0:j1] = lg.masked_fill_(~valid, float("-inf"))
     return res
 
