@@ -639,6 +639,10 @@ def test_logits_match_float64_oracle(dtype):
                              case.seq_lens[rows], case.block_table, dtype=dtype,
                              token_to_req=case.token_to_req[rows])
     _assert_logits_close(got4, want[rows])
+    # the format follows from q's dtype when not named
+    got5 = ix.indexer_logits(case.q.q, case.q.q_scale, case.q.weights, case.cache,
+                             case.seq_lens, case.block_table, token_to_req=case.token_to_req)
+    assert torch.equal(got5, got)
 
 
 def test_logits_empty_and_degenerate():

@@ -265,7 +265,7 @@ def indexer_logits(
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
     *,
-    dtype: str,
+    dtype: str | None = None,
     token_to_req: torch.Tensor | None = None,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
@@ -297,7 +297,8 @@ def indexer_logits(
         block_table: ``[R, max_blocks]`` int32/int64 with ``token_to_req``, or
             a per-token page table ``[T, max_blocks]`` when ``token_to_req`` is
             ``None`` (the ``fp8_paged_mqa_logits_cpu`` convention).
-        dtype: ``"fp8"`` or ``"mxfp4"`` (cache and q format).
+        dtype: ``"fp8"`` or ``"mxfp4"`` (cache and q format); default: from
+            ``q.dtype`` (float8_e4m3fn -> fp8, uint8 -> mxfp4).
         token_to_req: optional ``[T]`` int32/int64 row of ``block_table``.
         max_seq_len: logits width ``W``; default ``out.shape[1]`` or
             ``max(seq_lens)`` (a device sync).
@@ -311,6 +312,8 @@ def indexer_logits(
         ValueError: bad shapes/dtypes/devices.
     """
     where = "indexer_logits"
+    if dtype is None:
+        dtype = ic.MXFP4 if q.dtype == torch.uint8 else ic.FP8
     ic.check_dtype(dtype, where)
     values_v, scales_v = ic.block_views(k_cache, dtype, where)
     dev = k_cache.device
