@@ -82,6 +82,7 @@ def build_program(
     manager_cls: type[WorkspaceManager] = WorkspaceManager,
     ratios: tuple[int, ...] = FLASH_RATIOS,
     step_tokens: tuple[tuple[int, int], ...] = STEP_TOKENS,
+    shared_slots: int = 1,
 ) -> tuple[WorkspaceManager, SimStreamBackend, StampKernels]:
     be, per_ub = sim_streams()
     mgr = manager_cls(
@@ -89,6 +90,7 @@ def build_program(
         policy=policy,
         streams=be,
         debug=debug,
+        shared_slots=shared_slots,
         _unsafe_disable_fences_for_tests=not fences,
     )
     mgr.reserve()
@@ -190,6 +192,16 @@ def test_fenced_schedules_never_corrupt(variant, policy, debug, indexer, n):
     corrupt, first = run_schedules(mgr, be, k, n, seed=len(variant) * 31 + n)
     assert corrupt == 0, f"{corrupt}/{n} schedules corrupt, e.g. {first[:3]}"
     assert stats["leased_bytes_now"] == 0
+
+
+@pytest.mark.parametrize("fences", [True, False])
+def test_ping_pong_slots(fences):
+    # Two slots per family: layer n+1 gets the other slot, but layer n+2 reuses
+    # layer n's, so fences are still what keeps it safe.
+    mgr, be, k = build_program(variant="random", shared_slots=2, fences=fences, seed=2)
+    assert mgr.stats()["num_slots"] == 2 * 4 * 2
+    corrupt, first = run_schedules(mgr, be, k, 30, seed=4)
+    assert (corrupt == 0) if fences else (corrupt > 0), first[:3]
 
 
 # --- fences off: the test must catch the #52836 corruption ------------------------------
