@@ -490,6 +490,9 @@ def indexer_topk(
     ar_k = ar[:topk]
     rev = (width - 1) - ar[:width]  # larger for lower j: ties go to lower j
     need_rank = width > topk  # else every row has n <= width <= topk
+    # On CPU the visible counts are free to read: rank only the columns a chunk
+    # can see (the logits may be much wider than any row's n).
+    host_n = n_all if dev.type == "cpu" else None
     rows = max(1, min(t, max_chunk_elems // max(1, width)))
     for t0 in range(0, t, rows):
         t1 = min(t, t0 + rows)
@@ -500,13 +503,18 @@ def indexer_topk(
         o.masked_fill_(ar_k.unsqueeze(0) >= n, -1)
         if not need_rank:
             continue
-        x = logits[t0:t1].to(torch.float32) + 0.0  # fresh copy; -0.0 -> +0.0
+        cols = width
+        if host_n is not None:
+            cols = int(host_n[t0:t1].max())
+            if cols <= topk:
+                continue
+        x = logits[t0:t1, :cols].to(torch.float32) + 0.0  # fresh copy; -0.0 -> +0.0
         x = torch.nan_to_num_(x, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
         bits = x.view(torch.int32)
         # Order-preserving float32 -> int32 map (negative floats flip magnitude).
         key32 = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        key = (key32.to(torch.int64) << 32) | rev.unsqueeze(0)
-        key.masked_fill_(ar[:width].unsqueeze(0) >= n, _INT64_MIN)
+        key = (key32.to(torch.int64) << 32) | rev[:cols].unsqueeze(0)
+        key.masked_fill_(ar[:cols].unsqueeze(0) >= n, _INT64_MIN)
         idx = torch.topk(key, topk, dim=1, largest=True, sorted=True).indices
         o.copy_(torch.where(n > topk, idx, o))
     return out
