@@ -500,6 +500,8 @@ def test_q_rope_quant_bad_inputs():
         ix.indexer_q_rope_quant(q, pos.float(), cos_sin, w, dtype="fp8", **kw)
     with pytest.raises(ValueError, match="'weights'"):
         ix.indexer_q_rope_quant(q, pos, cos_sin, w[:, :3], dtype="fp8", **kw)
+    with pytest.raises(ValueError, match="'positions'"):
+        ix.indexer_q_rope_quant(q, pos + 1024, cos_sin, w, dtype="fp8", **kw)
     with pytest.raises(ValueError, match="RoPE"):
         ix.indexer_q_rope_quant(q, pos, cos_sin[:, :63], w, dtype="fp8", **kw)
     with pytest.raises(ValueError, match="dtype"):

@@ -179,7 +179,8 @@ def indexer_q_rope_quant(
         :class:`IndexerQ` ``(q, q_scale, weights)``.
 
     Raises:
-        ValueError: bad shapes/dtypes/devices or ``out`` buffers.
+        ValueError: bad shapes/dtypes/devices or ``out`` buffers; on CPU also a
+            position outside ``cos_sin_cache``.
     """
     where = "indexer_q_rope_quant"
     ic.check_dtype(dtype, where)
@@ -213,6 +214,13 @@ def indexer_q_rope_quant(
     else:
         q_out = qs_out = w_out = None
 
+    if dev.type == "cpu" and t > 0:  # free on CPU; elsewhere torch's index check fires
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0 or hi >= cos_sin_cache.shape[0]:
+            raise ValueError(
+                f"{where}: argument 'positions' expected values in [0, "
+                f"{cos_sin_cache.shape[0]}) (rows of cos_sin_cache), got [{lo}, {hi}]"
+            )
     x = q.to(torch.float32, copy=True)
     if t > 0 and rot > 0:
         cs = cos_sin_cache.index_select(0, positions.long()).to(torch.float32)
