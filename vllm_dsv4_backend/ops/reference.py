@@ -15,11 +15,13 @@ cache, ``flash_mla_sparse_fwd`` prefill over a bf16 KV buffer), computed in fp32
 Implementation: query rows are processed in chunks and the index axis in segments with an
 online (running max) softmax, so the fp32 working set stays under ``budget_bytes``
 (32 MiB by default) for any top-k. Only the named slots are gathered and dequantized (a
-fused gather + bit-level e4m3 decode, ``fp8_ds_mla.gather_dequant_into``);
-invalid entries are zeroed before they can reach a matmul, so NaN in unnamed cache slots
-never leaks. Matmuls are fp32 ``bmm`` (bf16 ``bmm`` is ~20x slower on CPUs without
-AVX512-BF16). Every intermediate lives in one scratch byte buffer; with ``out``, ``lse_out``
-and ``scratch`` supplied a call allocates nothing (see :func:`decode_scratch_nbytes`).
+fused gather + bit-level e4m3 decode, ``fp8_ds_mla.gather_dequant_into``); an invalid
+entry reads a slot that the same call names validly (its score is then set to -inf, so its
+weight is exactly 0), so unnamed cache slots, which may hold NaN, are never touched.
+Matmuls are fp32 ``bmm`` (bf16 ``bmm`` is ~20x slower on CPUs without AVX512-BF16), which
+also keeps the result within FlashMLA's test tolerances of a float64 oracle. Every
+intermediate lives in one scratch byte buffer; with ``out``, ``lse_out`` and ``scratch``
+supplied a call allocates nothing (see :func:`decode_scratch_nbytes`).
 """
 
 from __future__ import annotations
@@ -51,14 +53,14 @@ _TINY = 1e-30
 # scratch planning
 # --------------------------------------------------------------------------------------------
 def _decode_entry_bytes(h: int) -> int:
-    # Per (row, index) entry: K fp32 row, S column, four bool masks, two int64 ids, gathered
+    # Per (row, index) entry: K fp32 row, S column, two bool masks, three int64 ids, gathered
     # 576 data + 8 scale bytes, seven int32 scale words.
-    return 4 * D + 4 * h + 4 + 16 + fp8_ds_mla.DATA_BYTES_PER_TOKEN + 8 + 28
+    return 4 * D + 4 * h + 2 + 24 + fp8_ds_mla.DATA_BYTES_PER_TOKEN + 8 + 28
 
 
 def _prefill_entry_bytes(h: int) -> int:
-    # K fp32 row, S column, 3 bool masks, one int64 id, gathered bf16 row.
-    return 4 * D + 4 * h + 3 + 8 + 2 * D
+    # K fp32 row, S column, 2 bool masks, one int64 id, gathered bf16 row.
+    return 4 * D + 4 * h + 2 + 8 + 2 * D
 
 
 def _row_bytes(h: int) -> int:
@@ -179,9 +181,10 @@ class _Softmax:
     def begin(self, r: int) -> None:
         self.r = r
         h = self.h
-        self.m_v = self.m[: r * h].view(r, h).fill_(-math.inf)
-        self.l_v = self.l[: r * h].view(r, h).zero_()
-        self.acc_v = self.acc[: r * h * D].view(r, h, D).zero_()
+        self.first = True
+        self.m_v = self.m[: r * h].view(r, h)
+        self.l_v = self.l[: r * h].view(r, h)
+        self.acc_v = self.acc[: r * h * D].view(r, h, D)
         self.q_v = self.qf[: r * h * D].view(r, h, D)
 
     def segment_views(self, w: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,31 +192,46 @@ class _Softmax:
         r = self.r
         return self.k[: r * w * D].view(r, w, D), self.inv[: r * w].view(r, w)
 
-    def update(self, w: int) -> None:
-        """Fold one filled segment (K rows zeroed where invalid) into the running state."""
+    def update(self, w: int, any_invalid: bool) -> None:
+        """Fold one filled segment into the running state.
+
+        K rows of invalid entries must be finite (any named slot's values, or zeros): their
+        scores are set to -inf, so they get weight exactly 0.
+        """
         r, h = self.r, self.h
         k, inv = self.segment_views(w)
         s = self.s[: r * h * w].view(r, h, w)
         torch.bmm(self.q_v, k.transpose(1, 2), out=s)
-        s.masked_fill_(inv.unsqueeze(1), -math.inf)
+        if any_invalid:
+            s.masked_fill_(inv.unsqueeze(1), -math.inf)
         mn = self.mn[: r * h].view(r, h)
         msafe = self.msafe[: r * h].view(r, h)
-        alpha = self.alpha[: r * h].view(r, h)
         tmp = self.tmp[: r * h].view(r, h)
         torch.amax(s, -1, out=mn)
-        torch.maximum(mn, self.m_v, out=mn)
+        if not self.first:
+            torch.maximum(mn, self.m_v, out=mn)
         # A row with no valid index so far keeps max -inf; exponentiate against 0 instead.
         torch.nan_to_num(mn, nan=0.0, neginf=0.0, out=msafe)
-        torch.sub(self.m_v, msafe, out=alpha).exp_()
         s.sub_(msafe.unsqueeze(-1)).exp_()
-        torch.sum(s, -1, out=tmp)
-        self.l_v.mul_(alpha).add_(tmp)
-        self.acc_v.mul_(alpha.unsqueeze(-1)).baddbmm_(s, k)
+        if self.first:
+            torch.sum(s, -1, out=self.l_v)
+            torch.bmm(s, k, out=self.acc_v)
+        else:
+            alpha = self.alpha[: r * h].view(r, h)
+            torch.sub(self.m_v, msafe, out=alpha).exp_()
+            torch.sum(s, -1, out=tmp)
+            self.l_v.mul_(alpha).add_(tmp)
+            self.acc_v.mul_(alpha.unsqueeze(-1)).baddbmm_(s, k)
         self.m_v.copy_(mn)
+        self.first = False
 
     def finish(self, attn_sink: torch.Tensor | None, lse: torch.Tensor | None) -> torch.Tensor:
         """Normalise ``acc`` in place (sink included); write lse (``+inf`` when empty)."""
         r, h = self.r, self.h
+        if self.first:  # no index column at all
+            self.m_v.fill_(-math.inf)
+            self.l_v.zero_()
+            self.acc_v.zero_()
         msafe = self.msafe[: r * h].view(r, h)
         denom = self.tmp[: r * h].view(r, h)
         torch.nan_to_num(self.m_v, nan=0.0, neginf=0.0, out=msafe)
@@ -297,9 +315,9 @@ def sparse_mla_decode_torch(
         "scale_i32": arena.take(n_ent * fp8_ds_mla.NUM_TILES, torch.int32),
         "flag_i32": arena.take(1, torch.int32).view(()),
     }
-    bad_a = arena.take(n_ent, torch.bool)
-    bad_b = arena.take(n_ent, torch.bool)
-    any_flag = arena.take(1, torch.bool).view(())
+    ids_buf = arena.take(n_ent, torch.int64)
+    tmpb_buf = arena.take(n_ent, torch.bool)
+    minmax = arena.take(2, torch.int64)
     pos = arena.take(seg, torch.int32)
     lse_chunk = arena.take(rows_max * h, torch.float32) if need_lse else None
 
@@ -323,6 +341,7 @@ def sparse_mla_decode_torch(
             w = c1 - c0
             k_seg, inv_seg = sm.segment_views(w)
             col = 0
+            any_invalid = False
             for (cache, layout, idx, lens, base, n, name), vw in zip(parts, views):
                 p0, p1 = max(c0, base) - base, min(c1, base + n) - base
                 if p1 <= p0:
@@ -330,40 +349,43 @@ def sparse_mla_decode_torch(
                 pw = p1 - p0
                 idx_v = idx[b0:b1, :, p0:p1]
                 inv_v = inv_seg.view(nb, s_q, w)[:, :, col : col + pw]
+                k_part = k_seg.view(nb, s_q, w, D)[:, :, col : col + pw]
                 ne = r * pw
-                bad = bad_a[:ne].view(nb, s_q, pw)
-                tmpb = bad_b[:ne].view(nb, s_q, pw)
+                ids = ids_buf[:ne].view(nb, s_q, pw)
                 torch.eq(idx_v, -1, out=inv_v)
                 if lens is not None:
+                    tmpb = tmpb_buf[:ne].view(nb, s_q, pw)
                     torch.arange(p0, p1, dtype=torch.int32, device=dev, out=pos[:pw])
                     torch.ge(pos[:pw].expand(nb, s_q, pw), lens[b0:b1].view(nb, 1, 1), out=tmpb)
                     inv_v.logical_or_(tmpb)
-                # Only -1 is invalid: any other id outside the cache within the used prefix
-                # is an error (FlashMLA would read out of bounds).
-                torch.lt(idx_v, 0, out=bad)
-                torch.ge(idx_v, layout.num_slots, out=tmpb)
-                bad.logical_or_(tmpb)
-                torch.logical_not(inv_v, out=tmpb)
-                bad.logical_and_(tmpb)
-                torch.any(bad, out=any_flag)
-                if bool(any_flag):
-                    vals = idx_v[bad]
+                # ids = used slot ids, -1 where invalid; its min/max give the range check (only
+                # -1 is invalid: any other id outside the cache is an error) and, when a valid
+                # id exists, a named slot to read in place of the invalid entries, so unnamed
+                # (possibly NaN) slots are never touched and no K row needs zeroing.
+                ids.copy_(idx_v)
+                ids.masked_fill_(inv_v, -1)
+                torch.amin(ids.view(-1), 0, out=minmax[0])
+                torch.amax(ids.view(-1), 0, out=minmax[1])
+                lo, hi = minmax.tolist()
+                if lo < -1 or hi >= layout.num_slots:
+                    vals = ids[(ids < -1) | (ids >= layout.num_slots)]
                     raise ValueError(
                         f"{name}: expected slot ids in [-1, {layout.num_slots}) (num_blocks * "
                         f"block_size; only -1 is invalid), got out-of-range value(s) "
                         f"{vals[:4].tolist()}"
                     )
-                fp8_ds_mla.gather_dequant_into(
-                    k_seg.view(nb, s_q, w, D)[:, :, col : col + pw],
-                    cache,
-                    layout,
-                    idx_v,
-                    inv_v,
-                    views=vw,
-                    **g,
-                )
+                if lo == -1:
+                    any_invalid = True
+                if hi < 0:
+                    k_part.zero_()
+                else:
+                    if lo == -1:
+                        ids.masked_fill_(inv_v, hi)
+                    fp8_ds_mla.gather_dequant_into(
+                        k_part, cache, layout, ids, None, views=vw, **g
+                    )
                 col += pw
-            sm.update(w)
+            sm.update(w, any_invalid)
         acc = sm.finish(attn_sink, lse_chunk[: r * h].view(r, h) if need_lse else None)
         out[b0:b1].copy_(acc.view(nb, s_q, h, D))
         if need_lse:
@@ -424,6 +446,7 @@ def sparse_mla_prefill_torch(
     rows_bf16 = arena.take(n_ent * D, torch.bfloat16).view(n_ent, D)
     tmpb_buf = arena.take(n_ent, torch.bool)
     pos = arena.take(seg, torch.int32)
+    minmax = arena.take(2, torch.int64)
     kv2d = kv[:, 0, :]
     for r0 in range(0, s_q, rows_max):
         r1 = min(s_q, r0 + rows_max)
@@ -445,16 +468,23 @@ def sparse_mla_prefill_torch(
                 torch.ge(pos[:w].expand(r, w), topk_length[r0:r1].view(r, 1), out=tmpb)
                 inv.logical_or_(tmpb)
             ids_v = ids[: r * w].view(r, w)
+            # Invalid entries read a named row instead (never an unnamed, possibly NaN one).
             ids_v.copy_(idx_v)
-            ids_v.masked_fill_(inv, 0)
-            if s_kv > 0:
-                torch.index_select(kv2d, 0, ids[: r * w], out=rows_bf16[: r * w])
-                k_seg.copy_(rows_bf16[: r * w].view(r, w, D))
-                # kv rows that are not named may hold anything (NaN): zero them.
-                k_seg.masked_fill_(inv.unsqueeze(-1), 0.0)
-            else:
+            ids_v.masked_fill_(inv, -1)
+            torch.amin(ids[: r * w], 0, out=minmax[0])
+            torch.amax(ids[: r * w], 0, out=minmax[1])
+            lo, hi = minmax.tolist()
+            if hi < 0:
                 k_seg.zero_()
-            sm.update(w)
+            else:
+                if lo < 0:
+                    ids_v.masked_fill_(inv, hi)
+                torch.index_select(kv2d, 0, ids[: r * w], out=rows_bf16[: r * w])
+                # bf16 -> fp32 as a 16-bit shift of the bit pattern.
+                k_i = k_seg.view(torch.int32)
+                k_i.copy_(rows_bf16[: r * w].view(r, w, D).view(torch.int16))
+                k_i.bitwise_left_shift_(16)
+            sm.update(w, lo < 0)
         acc = sm.finish(attn_sink, lse_out[r0:r1])
         max_logits_out[r0:r1].copy_(sm.m_v)
         out[r0:r1].copy_(acc)
