@@ -29,6 +29,16 @@ from vllm_dsv4_backend.ops import checks, reference, vllm_cpu
 SCALE = 512**-0.55  # FlashMLA's decode test scale (d_qk ** -0.55)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Small ops on a shared 2-core box: one intra-op thread avoids OpenMP barrier stalls
+    when other processes hold the cores (results do not depend on the thread count)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(autouse=True)
 def _torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_DSV4_KERNEL", "torch")
