@@ -76,6 +76,21 @@ def registered_process(tmp_path_factory) -> dict:
         "T8": sparse_mla._BUILD_C128A_TOPK_METADATA_KERNEL,
     }
     b1 = cpu_mla.DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler(None, 0)
+    attn_cls_was_vllm = cpu_model.DeepseekV4CPUAttention is cpu_sparse.DeepseekV4CPUAttention
+
+    # The hook point for the plugin's layer (module already imported: runs now).
+    from vllm_dsv4_backend.vllm_compat import attention
+    class ProbeAttention(cpu_sparse.DeepseekV4CPUAttention):
+        pass
+    applied = []
+    attention.install_attention_layer(lambda: ProbeAttention, platform="cpu",
+                                      on_applied=applied.append)
+    installed = cpu_model.DeepseekV4CPUAttention is ProbeAttention
+    try:
+        attention.install_attention_layer(lambda: int, platform="cpu")
+        bad_layer_error = None
+    except hooks.PatchError as e:
+        bad_layer_error = str(e)
     print(json.dumps({
         "first": first, "second": second,
         "pending_after_first": pending_after_first,
@@ -83,7 +98,10 @@ def registered_process(tmp_path_factory) -> dict:
         "heavy_after_register": heavy,
         "ported": {k: hooks.is_port(v) for k, v in kinds.items()},
         "b1_keys": sorted(b1),
-        "attn_cls_is_vllm": cpu_model.DeepseekV4CPUAttention is cpu_sparse.DeepseekV4CPUAttention,
+        "attn_cls_is_vllm": attn_cls_was_vllm,
+        "probe_installed": installed,
+        "probe_applied": applied,
+        "bad_layer_error": bad_layer_error,
         "fallbacks": cpu_ops.registered(),
         "missing_after": cpu_ops.missing_ops(),
         "pending_end": hooks.pending(),
@@ -114,6 +132,14 @@ def test_patches_apply_when_vllm_imports_the_model(registered_process):
     assert r["attn_cls_is_vllm"], "VLLM_DSV4_ATTN_IMPL=vllm must keep vLLM's layer"
     assert r["missing_after"] == [], "DeepSeek-V4 CPU ops still missing after the fallbacks"
     assert not any(m.startswith("vllm.") for m in r["pending_end"])
+
+
+def test_attention_layer_hook_point(registered_process):
+    r = registered_process
+    assert r["probe_installed"], "install_attention_layer did not rebind DeepseekV4CPUAttention"
+    assert r["probe_applied"] and "DeepseekV4CPUAttention=" in r["probe_applied"][0]
+    err = r["bad_layer_error"]
+    assert err is not None and "DeepseekV4Attention" in err and "0.32" in err
 
 
 def test_version_gate():
@@ -225,3 +251,164 @@ def test_dummy_init_marker_gives_informative_logprobs(tiny_server):
         # vLLM's default dummy weights give every token logprob -ln(vocab).
         assert vals[0] - vals[-1] > 0.05, f"near-uniform top logprobs {vals}"
         assert abs(vals[0] - uniform) > 0.05, f"top logprob {vals[0]} ~ uniform {uniform}"
+
+
+# ----------------------------------------------------------------------------
+# torch fallbacks for the C++ ops (called directly: nothing is registered into
+# torch.ops._C of this process, so other tests still see the real library)
+# ----------------------------------------------------------------------------
+def _softplus_sqrt64(x):
+    import torch
+
+    x = x.double()
+    return torch.sqrt(torch.where(x > 20.0, x, torch.log1p(torch.exp(x))))
+
+
+def test_fallback_biased_topk_matches_float64_loop_with_ties():
+    import torch
+
+    from vllm_dsv4_backend.vllm_compat import cpu_ops
+
+    g = torch.Generator().manual_seed(0)
+    t, e, k, rsf = 7, 64, 6, 1.5
+    logits = torch.randn(t, e, generator=g)
+    logits[0, :] = 0.25  # every key ties in row 0 (with a zero bias): lowest ids win
+    logits[1, 10] = logits[1, 3] = 30.0  # a tie above the softplus threshold
+    for bias in (torch.zeros(e), torch.randn(e, generator=g) * 0.05):
+        w, ids = cpu_ops.biased_topk_cpu(
+            logits, logits, bias, k, True, "sqrtsoftplus", 0, rsf, True
+        )
+        assert w.dtype == torch.float32 and ids.dtype == torch.int32
+        sp = _softplus_sqrt64(logits)
+        key = sp + bias.double()
+        for r in range(t):
+            order = sorted(range(e), key=lambda j, r=r: (-float(key[r, j]), j))[:k]
+            assert ids[r].tolist() == order
+            ref = sp[r, order] / sp[r, order].sum() * rsf
+            torch.testing.assert_close(w[r].double(), ref, rtol=1e-5, atol=1e-6)
+    w, ids = cpu_ops.biased_topk_cpu(
+        logits, logits, torch.zeros(e), k, True, "sqrtsoftplus", 0, rsf, True
+    )
+    assert ids[0].tolist() == list(range(k))
+    assert ids[1].tolist()[:2] == [3, 10]
+
+
+def test_fallback_hash_topk_matches_float64():
+    import torch
+
+    from vllm_dsv4_backend.vllm_compat import cpu_ops
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 64, generator=g) * 4
+    tid = torch.randint(0, 64, (5, 6), generator=g, dtype=torch.int32)
+    w, ids = cpu_ops.hash_topk_cpu(logits, tid, 6, "sqrtsoftplus", 0, 64, 1.5)
+    assert torch.equal(ids, tid)
+    sp = _softplus_sqrt64(logits).gather(1, tid.long())
+    torch.testing.assert_close(w.double(), sp / sp.sum(-1, keepdim=True) * 1.5, rtol=1e-5,
+                               atol=1e-6)
+    with pytest.raises(ValueError, match="tid2eid"):
+        cpu_ops.hash_topk_cpu(logits, tid + 64, 6, "sqrtsoftplus", 0, 64, 1.5)
+
+
+def test_fallback_bmm_and_packing():
+    import torch
+
+    from vllm_dsv4_backend.vllm_compat import cpu_ops
+
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(2, 48, 96, generator=g).to(torch.bfloat16)
+    a = torch.randn(2, 5, 96, generator=g).to(torch.bfloat16)
+    out = torch.full((2, 5, 48), float("nan"), dtype=torch.bfloat16)
+    cpu_ops.bmm_cpu(out, a, cpu_ops.convert_weight_packed(w), True, None)
+    ref = torch.einsum("gmk,gnk->gmn", a.double(), w.double())
+    torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)
+    with pytest.raises(NotImplementedError):
+        cpu_ops.bmm_cpu(out, a, w, True, torch.ones(1))
+
+
+def test_fallback_mhc_ops_match_float64():
+    import torch
+
+    from vllm_dsv4_backend.vllm_compat import cpu_ops
+
+    g = torch.Generator().manual_seed(3)
+    t, hc, d, iters, eps, rms_eps = 4, 4, 64, 20, 1e-6, 1e-6
+    x = torch.randn(t, hc, d, generator=g).to(torch.bfloat16)
+    fn = torch.randn((2 + hc) * hc, hc * d, generator=g) / (hc * d) ** 0.5
+    scale = torch.tensor([0.9, 1.1, 1.2])
+    base = torch.randn((2 + hc) * hc, generator=g) * 0.1
+    li, post, comb = cpu_ops.hc_pre_fused_cpu(x, fn, scale, base, hc, iters, rms_eps, eps)
+
+    xf = x.double().reshape(t, hc * d)
+    mixes = (xf @ fn.double().t()) / torch.sqrt(xf.square().mean(-1, keepdim=True) + rms_eps)
+    s, b = scale.double(), base.double()
+    pre = torch.sigmoid(mixes[:, :hc] * s[0] + b[:hc]) + eps
+    post_ref = torch.sigmoid(mixes[:, hc:2 * hc] * s[1] + b[hc:2 * hc]) * 2.0
+    c = torch.softmax(mixes[:, 2 * hc:].reshape(t, hc, hc) * s[2] + b[2 * hc:].reshape(hc, hc),
+                      dim=-1) + eps
+    c = c / (c.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + eps)
+        c = c / (c.sum(-2, keepdim=True) + eps)
+    li_ref = (pre.unsqueeze(-1) * x.double()).sum(1)
+    torch.testing.assert_close(post.double(), post_ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(comb.double(), c, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(li.double(), li_ref, rtol=2e-2, atol=2e-2)
+
+    y = torch.randn(t, d, generator=g).to(torch.bfloat16)
+    out = cpu_ops.hc_post_fused_cpu(y, x, post, comb)
+    ref = torch.einsum("tij,tid->tjd", comb.double(), x.double()) + post.double().unsqueeze(
+        -1) * y.double().unsqueeze(1)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+
+    hfn = torch.randn(hc, hc * d, generator=g) / (hc * d) ** 0.5
+    hs, hb = torch.tensor([1.3]), torch.randn(hc, generator=g) * 0.1
+    head = cpu_ops.hc_head_fused_cpu(x, hfn, hs, hb, eps, rms_eps)
+    xn = xf / torch.sqrt(xf.square().mean(-1, keepdim=True) + rms_eps)
+    gate = torch.sigmoid((xn @ hfn.double().t()) * 1.3 + hb.double()) + eps
+    torch.testing.assert_close(head.double(), (gate.unsqueeze(-1) * x.double()).sum(1),
+                               rtol=2e-2, atol=2e-2)
+
+
+def test_fallback_flash_mla_matches_float64_attention():
+    """The wrapper maps vLLM's 2-D cache views, int64 slot tables, -1 and
+    out-of-range slots (skipped) and the sink onto a float64 softmax."""
+    import torch
+
+    from vllm_dsv4_backend.formats import fp8_ds_mla
+    from vllm_dsv4_backend.vllm_compat import cpu_ops
+
+    g = torch.Generator().manual_seed(4)
+    t, h, wb, cb, nb = 3, 8, 64, 2, 6
+    win = fp8_ds_mla.allocate_cache(nb, wb, padded=True)
+    comp = fp8_ds_mla.allocate_cache(nb, cb, padded=True)
+    win_rows = (torch.randn(nb * wb, 512, generator=g) * 0.5).to(torch.bfloat16)
+    comp_rows = (torch.randn(nb * cb, 512, generator=g) * 0.5).to(torch.bfloat16)
+    fp8_ds_mla.quantize_and_insert(win_rows, win, torch.arange(nb * wb))
+    fp8_ds_mla.quantize_and_insert(comp_rows, comp, torch.arange(nb * cb))
+    win_2d = win.as_strided((nb, win.stride(0)), (win.stride(0), 1))
+    comp_2d = comp.as_strided((nb, comp.stride(0)), (comp.stride(0), 1))
+    win_slots = torch.randint(0, nb * wb, (t, 10), generator=g)
+    win_slots[:, 7:] = -1
+    win_slots[0, 6] = nb * wb + 5  # past the cache: skipped like the C++ kernel
+    comp_slots = torch.randint(0, nb * cb, (t, 4), generator=g)
+    comp_slots[2, :] = -1
+    q = (torch.randn(t, h, 512, generator=g) * 0.3).to(torch.bfloat16)
+    sink = torch.randn(h, generator=g)
+    scale = 512**-0.5
+    out = torch.full((t, h, 512), float("nan"), dtype=torch.bfloat16)
+    cpu_ops.flash_mla_with_kvcache_cpu(out, q, win_2d, win_slots, wb, comp_2d, comp_slots, cb,
+                                       sink, scale)
+
+    kw = fp8_ds_mla.dequantize_and_gather(win, torch.arange(nb * wb)).double()
+    kc = fp8_ds_mla.dequantize_and_gather(comp, torch.arange(nb * cb)).double()
+    for i in range(t):
+        ks = [kw[s] for s in win_slots[i].tolist() if 0 <= s < nb * wb]
+        ks += [kc[s] for s in comp_slots[i].tolist() if 0 <= s < nb * cb]
+        k = torch.stack(ks)
+        sc = q[i].double() @ k.t() * scale  # [h, n]
+        m = torch.maximum(sc.max(-1).values, sink.double())
+        p = torch.exp(sc - m[:, None])
+        den = p.sum(-1) + torch.exp(sink.double() - m)
+        ref = (p @ k) / den[:, None]
+        torch.testing.assert_close(out[i].double(), ref, rtol=2e-2, atol=1e-2)
