@@ -580,3 +580,75 @@ def test_decode_vs_vllm_cpp_kernel(monkeypatch: pytest.MonkeyPatch, geometry: in
     monkeypatch.setenv("VLLM_DSV4_KERNEL", "torch")
     ours, _ = ops.sparse_mla_decode(*case.args())
     assert_flashmla_close(out, ours.double(), name="C++ vs torch", **CPP_OUT_TOL)
+
+
+def _emulated_cpp_kernel(out, q, w_cache_2d, w_slots, w_bs, c_cache_2d, c_slots, c_bs, sink,
+                         scale):
+    """float64 emulation of ``flash_mla_with_kvcache_cpu`` written from its C++ source:
+    per-token int64 slot rows, entries ``< 0`` or ``>= num_blocks*B`` skipped, sink applied as
+    ``out *= 1/(1 + e^(sink - lse))``; also asserts the argument contract the kernel checks."""
+    from oracle import dequant_slots_f64
+
+    t, h, d = q.shape
+    assert d == 512 and q.dtype == torch.bfloat16 and q.stride(-1) == 1
+    assert out.shape == (t, h, 512) and out.dtype == torch.bfloat16 and out.is_contiguous()
+    assert w_slots.dtype == torch.int64 and c_slots.dtype == torch.int64
+    assert w_slots.is_contiguous() and c_slots.is_contiguous()
+    assert w_slots.shape[0] == t and c_slots.shape[0] == t and w_slots.shape[1] >= 1
+    assert sink.dtype == torch.float32 and sink.is_contiguous() and sink.numel() == h
+    assert isinstance(scale, float)
+    ks, valids = [], []
+    for c2d, slots, bs in ((w_cache_2d, w_slots, w_bs), (c_cache_2d, c_slots, c_bs)):
+        if slots.shape[1] == 0:
+            continue
+        nb = c2d.shape[0]
+        c3 = torch.as_strided(c2d, (nb, bs, 584), (c2d.stride(0), 584, 1), c2d.storage_offset())
+        valid = (slots >= 0) & (slots < nb * bs)
+        k = torch.zeros(t, slots.shape[1], 512, dtype=torch.float64)
+        if valid.any():
+            k[valid] = dequant_slots_f64(c3, slots[valid])
+        ks.append(k)
+        valids.append(valid)
+    k, valid = torch.cat(ks, 1), torch.cat(valids, 1)
+    s = torch.einsum("thd,tkd->thk", q.double(), k) * scale
+    s = s.masked_fill(~valid.unsqueeze(1), -math.inf)
+    lse = torch.logsumexp(s, -1)
+    empty = torch.isneginf(lse)
+    lse0 = torch.where(empty, torch.zeros_like(lse), lse)
+    p = torch.exp(s - lse0.unsqueeze(-1))
+    res = torch.einsum("thk,tkd->thd", p, k) / (1 + torch.exp(sink.double() - lse0)).unsqueeze(-1)
+    res = torch.where(empty.unsqueeze(-1), torch.zeros_like(res), res)
+    out.copy_(res.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("geometry", range(len(DECODE_GEOMETRIES)))
+def test_vllm_cpu_adapter_with_emulated_kernel(monkeypatch: pytest.MonkeyPatch,
+                                               geometry: int) -> None:
+    """The vllm_cpu path's translation (s_q folded into tokens, lengths written as -1, int64
+    slots, padded 2-D cache views, sink None -> -inf, strided out) against an emulation of the
+    C++ kernel, so it is exercised even where vLLM's AVX512-BF16 library cannot run."""
+    monkeypatch.setattr(vllm_cpu, "load", lambda: (True, "emulated"))
+    monkeypatch.setattr(vllm_cpu, "cpp_op", lambda: _emulated_cpp_kernel)
+    monkeypatch.setenv("VLLM_DSV4_KERNEL", "vllm_cpu")
+    main, extra = DECODE_GEOMETRIES[geometry]
+    for sink_kind in ("mixed", "none"):
+        case = make_decode_case(50 + geometry, 3, 2, 64, main, extra, sink_kind=sink_kind)
+        out, lse = ops.sparse_mla_decode(*case.args(), need_lse=False)
+        assert lse is None and ops.last_path() == "vllm_cpu"
+        check_decode(case, out, None)
+    big = torch.zeros(3, 2, 72, 512, dtype=torch.bfloat16)
+    ops.sparse_mla_decode(*case.args(), need_lse=False, out=big[:, :, 8:])
+    assert torch.equal(big[:, :, 8:], out) and bool((big[:, :, :8] == 0).all())
+    # auto picks the C++ kernel for CPU decode without lse, the torch path otherwise.
+    monkeypatch.setenv("VLLM_DSV4_KERNEL", "auto")
+    assert ops.kernel_path("cpu", need_lse=False) == "vllm_cpu"
+    ops.sparse_mla_decode(*case.args())
+    assert ops.last_path() == "torch"
+    # Out-of-range ids are rejected before reaching the kernel (it would skip them).
+    bad = case.caches[0][1].clone()
+    bad[0, 0, 0] = -5
+    args = list(case.args())
+    args[2] = bad
+    monkeypatch.setenv("VLLM_DSV4_KERNEL", "vllm_cpu")
+    with pytest.raises(ValueError, match=r"indices: expected slot ids in \[-1, "):
+        ops.sparse_mla_decode(*args, need_lse=False)

@@ -37,7 +37,7 @@ import torch
 from vllm_dsv4_backend.formats import fp8_ds_mla
 from vllm_dsv4_backend.ops.checks import DecodeDims
 
-__all__ = ["available", "has_op", "load", "sparse_mla_decode_vllm_cpu"]
+__all__ = ["available", "cpp_op", "has_op", "load", "sparse_mla_decode_vllm_cpu"]
 
 _OP = "flash_mla_with_kvcache_cpu"
 
@@ -80,6 +80,12 @@ def load() -> tuple[bool, str]:
     if not has_op():
         return False, f"{lib} has no {_OP} (vLLM version without DeepSeek-V4 CPU kernels)"
     return True, f"loaded {lib}"
+
+
+def cpp_op():
+    """``torch.ops._C.flash_mla_with_kvcache_cpu`` (a seam: tests substitute an emulation to
+    exercise the argument translation on machines that cannot run the real kernel)."""
+    return getattr(torch.ops._C, _OP)
 
 
 def available(device: torch.device) -> tuple[bool, str]:
@@ -162,7 +168,7 @@ def sparse_mla_decode_vllm_cpu(
         sink = torch.full((h,), -torch.inf, dtype=torch.float32, device=q.device)
     elif not sink.is_contiguous():
         sink = sink.contiguous()
-    getattr(torch.ops._C, _OP)(
+    cpp_op()(
         out3, q3, win_cache, win_slots, dims.layout.block_size, comp_cache, comp_slots,
         comp_bs, sink, dims.softmax_scale,
     )
