@@ -265,6 +265,21 @@ def _dequant_q(
     return mxfp4.dequantize(q, q_scale)
 
 
+def _dequant_k(
+    vals: torch.Tensor, scales: torch.Tensor, dtype: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gathered K entries -> (float32 values ``[..., 128]``, FP8 scale ``[...]``).
+
+    FP8 returns the e4m3 values unscaled plus the per-entry scale (applied to
+    the logits); MXFP4 returns fully dequantized values and ``None``.
+    """
+    if dtype == ic.FP8:
+        return vals.view(torch.float8_e4m3fn).to(torch.float32), scales.view(
+            torch.float32
+        ).squeeze(-1)
+    return mxfp4.dequantize(vals, scales), None
+
+
 def indexer_logits(
     q: torch.Tensor,
     q_scale: torch.Tensor | None,
@@ -413,7 +428,7 @@ def indexer_logits(
                 mapped = (page >= 0) & in_table
                 page.masked_fill_(~mapped, 0)
                 vals, scs = ic.gather_raw(values_v, scales_v, page, j % bs)
-                kf = ic.dequantize_raw(vals, scs, dtype)  # [n, 128]
+                kf, k_scale = _dequant_k(vals, scs, dtype)  # [n, 128], [n] | None
                 s = torch.mm(qf.flatten(0, 1), kf.t()).unflatten(0, (t1 - t0, h))
                 valid = causal & mapped.unsqueeze(0)
             else:
@@ -421,9 +436,13 @@ def indexer_logits(
                 valid = causal & (page >= 0) & in_table
                 page.masked_fill_(~valid, 0)
                 vals, scs = ic.gather_raw(values_v, scales_v, page, (j % bs).expand_as(page))
-                kf = ic.dequantize_raw(vals, scs, dtype)  # [tc, n, 128]
+                kf, k_scale = _dequant_k(vals, scs, dtype)  # [tc, n, 128], [tc, n] | None
                 s = torch.bmm(qf, kf.transpose(1, 2))  # [tc, H, n]
             lg = torch.bmm(w, s.relu_()).squeeze(1)  # [tc, n]
+            if k_scale is not None:
+                # relu(q.(k*s)) = s*relu(q.k) for the positive power-of-two FP8 scale:
+                # the same numbers, one multiply per entry instead of per value.
+                lg.mul_(k_scale)
             res[t0:t1, j0:j1] = lg.masked_fill_(~valid, float("-inf"))
     return res
 
