@@ -245,9 +245,10 @@ def test_block_split_layout_and_untouched_bytes(dtype, form):
 
 
 @pytest.mark.parametrize("dtype", ["fp8", "mxfp4"])
-def test_dequantize_and_gather(dtype):
+@pytest.mark.parametrize("pad", [24, 20, 1])  # block strides gathered as int64 / int32 / bytes
+def test_dequantize_and_gather(dtype, pad):
     nb, bs = 6, 8
-    backing, cache = make_cache(dtype, nb, bs, pad=20)
+    backing, cache = make_cache(dtype, nb, bs, pad=pad)
     g = torch.Generator().manual_seed(9)
     k = torch.randn(20, 128, generator=g) * 3
     slots = torch.randperm(nb * bs, generator=g)[:20]
