@@ -32,8 +32,10 @@ used together, for ``wo_a``). Numerics are fp32 throughout, so results
 agree with the C++ kernels to bf16 rounding, not bit for bit.
 
 A process that registered fallbacks reports ``has_op(name) == True`` for
-them; tests that compare against vLLM's C++ kernels must check
-:func:`is_fallback` first.
+them; code that wants vLLM's real C++ kernel (tests comparing against it)
+must check :func:`is_fallback`, or, without importing this module, the
+``__vllm_dsv4_fallback__`` attribute (:data:`FALLBACK_FLAG`) of
+``torch.ops._C.<name>``.
 """
 
 from __future__ import annotations
@@ -45,10 +47,11 @@ import torch
 
 from vllm_dsv4_backend._logging import init_logger
 
-__all__ = ["OPS", "is_fallback", "missing_ops", "register_missing", "registered"]
+__all__ = ["FALLBACK_FLAG", "OPS", "is_fallback", "missing_ops", "register_missing", "registered"]
 
 logger = init_logger(__name__)
 
+FALLBACK_FLAG = "__vllm_dsv4_fallback__"
 _FP8_DS_MLA_BYTES = 584
 _INDEXER_FP8_BYTES = 132
 
@@ -604,6 +607,9 @@ def register_missing() -> list[str]:
         _lib.define(op.name + op.schema)
         _lib.impl(op.name, op.impl, "CPU")
         _registered.append(op.name)
+        # Torch-only code (e.g. ops.vllm_cpu) can tell a fallback from vLLM's
+        # kernel without importing this module: getattr(packet, FALLBACK_FLAG).
+        setattr(getattr(torch.ops._C, op.name), FALLBACK_FLAG, True)
     logger.warning(
         "vLLM's loaded CPU kernel library lacks %d DeepSeek-V4 ops (it is not the "
         "AVX512-BF16 build): registered vllm_dsv4_backend torch fallbacks for %s",
