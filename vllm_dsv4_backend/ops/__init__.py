@@ -128,9 +128,14 @@ def kernel_path(device: torch.device | str, op: str = "decode", *, need_lse: boo
     return "torch"
 
 
-def last_path(op: str = "decode") -> str | None:
-    """The kernel path the most recent eager ``op`` call in this process took (None before)."""
-    return _last.get(op)
+def last_path(op: str | None = None) -> str | None:
+    """The kernel path the most recent eager call took in this process (None before any).
+
+    Args:
+        op: ``"decode"`` or ``"prefill"`` for the last call of that op; None (default) for the
+            last call of either.
+    """
+    return _last.get(op or "any")
 
 
 def _log_once(op: str, path: str, level: int, msg: str, *args: object) -> None:
@@ -141,6 +146,7 @@ def _log_once(op: str, path: str, level: int, msg: str, *args: object) -> None:
 
 def _record(op: str, path: str) -> None:
     _last[op] = path
+    _last["any"] = path
     _log_once(op, path, logging.INFO, "vllm_dsv4 sparse_mla_%s: %s path", op, path)
 
 

@@ -10,6 +10,7 @@ shape / dtype / device (FlashInfer ``check_shape_dtype_device`` style). The gene
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -100,7 +101,7 @@ def _check_cache(cache: object, name: str, device: torch.device) -> CacheLayout:
 
 
 def _check_scale(softmax_scale: object, name: str) -> float:
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise ValueError(f"{name}: expected a Python float, got {type(softmax_scale).__name__}")
     return float(softmax_scale)
 
