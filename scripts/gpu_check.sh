@@ -1,0 +1,166 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+#
+# GPU check for a single CUDA machine whose image has torch + CUDA but no vLLM and no
+# network (e.g. one H200, torch 2.11): runs tests/gpu + tests/core and the layer benchmark
+# on CUDA within ~8 minutes, writes JSON, and prints a summary table last.
+#
+#   bash scripts/gpu_check.sh                  # on the GPU box; results in $OUT (or --out)
+#   bash scripts/gpu_check.sh --dry-run        # here: the same steps on CPU, tiny sizes,
+#                                              # with `import vllm` blocked like on the box
+#   bash scripts/gpu_check.sh --make-bundle    # here, before: copy pytest & co. (pure
+#                                              # Python) into .scratch/gpu_bundle; carry it
+#
+# Nothing is installed: the package is torch-only and runs from the checkout
+# (PYTHONPATH=repo). If the box's Python has no pytest, the bundle made by --make-bundle
+# (default .scratch/gpu_bundle, or --bundle DIR) is put on PYTHONPATH; without either the
+# tests are reported as NOT RUN and the benchmark still runs.
+#
+# Environment: PYTHON (default python3, else python), OUT (results dir; default
+# .scratch/gpu_check), GPU_CHECK_TESTS (pytest paths; default "tests/gpu tests/core"),
+# TEST_TIMEOUT (s, default 240), BENCH_TIMEOUT (s, default 330), BENCH_ARGS (replace the
+# benchmark flags; default: --full --device cuda --time-budget 240).
+# Exit code: 0 when every step passed, 1 otherwise.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+
+DRY=0
+BUNDLE=""
+MAKE_BUNDLE=""
+OUT_DIR=${OUT:-$ROOT/.scratch/gpu_check}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY=1 ;;
+    --out) OUT_DIR=$2; shift ;;
+    --bundle) BUNDLE=$2; shift ;;
+    --make-bundle)
+      if [ $# -gt 1 ] && [ "${2#--}" = "$2" ]; then MAKE_BUNDLE=$2; shift
+      else MAKE_BUNDLE=$ROOT/.scratch/gpu_bundle; fi ;;
+    -h|--help) sed -n '4,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
+elif [ $DRY = 1 ] && [ -x "$ROOT/.venv/bin/python" ]; then PY=$ROOT/.venv/bin/python
+elif command -v python3 >/dev/null 2>&1; then PY=python3
+else PY=python; fi
+
+if [ -n "$MAKE_BUNDLE" ]; then
+  # Pure-Python test dependencies from this interpreter's site-packages. Compiled
+  # extensions are left out (PyYAML then uses its pure-Python loader), so the bundle works
+  # with any Python 3 version on the box.
+  mkdir -p "$MAKE_BUNDLE"
+  "$PY" - "$MAKE_BUNDLE" <<'EOF'
+import importlib.util, os, shutil, sys
+dest = sys.argv[1]
+for name in ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "py", "yaml"):
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        print(f"gpu_check: {name} not found in {sys.executable}, skipped")
+        continue
+    src = os.path.dirname(spec.origin) if spec.submodule_search_locations else spec.origin
+    dst = os.path.join(dest, os.path.basename(src))
+    if os.path.isdir(src):
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns(
+            "__pycache__", "*.so", "*.pyd", "*.dylib"))
+    else:
+        shutil.copy2(src, dst)
+    print(f"gpu_check: bundled {name} from {src}")
+EOF
+  echo "gpu_check: bundle in $MAKE_BUNDLE (carry it to the GPU box; found automatically" \
+       "at .scratch/gpu_bundle)"
+  exit 0
+fi
+
+mkdir -p "$OUT_DIR"
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONDONTWRITEBYTECODE=1
+TESTS=${GPU_CHECK_TESTS:-tests/gpu tests/core}
+if [ $DRY = 1 ]; then
+  # Like the GPU box: no vLLM importable (a stub package that raises ImportError shadows
+  # the installed one), CPU device, tiny sizes.
+  STUB=$OUT_DIR/.novllm
+  mkdir -p "$STUB/vllm"
+  echo 'raise ImportError("vllm is blocked by scripts/gpu_check.sh --dry-run (GPU box has none)")' \
+    > "$STUB/vllm/__init__.py"
+  export PYTHONPATH=$STUB:$PYTHONPATH
+  BENCH_ARGS=${BENCH_ARGS:---preset tiny --device cpu}
+else
+  BENCH_ARGS=${BENCH_ARGS:---full --device cuda --time-budget 240}
+fi
+
+echo "== gpu_check: $(date -u +%FT%TZ), repo $ROOT, results $OUT_DIR, dry-run $DRY"
+"$PY" - <<'EOF'
+import platform, torch
+print(f"python {platform.python_version()}, torch {torch.__version__}, cuda "
+      f"{torch.version.cuda}, cuda available {torch.cuda.is_available()}")
+for i in range(torch.cuda.device_count()):
+    print(f"  cuda:{i} {torch.cuda.get_device_name(i)} "
+          f"{torch.cuda.get_device_properties(i).total_memory / 2**30:.0f} GiB")
+try:
+    import vllm  # noqa: F401
+    print("vllm importable (not needed)")
+except Exception as e:  # noqa: BLE001
+    print(f"vllm not importable (expected on the GPU box): {e}")
+EOF
+if [ $DRY = 0 ] && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
+then
+  echo "gpu_check: torch.cuda.is_available() is False; use --dry-run off GPU" >&2
+  exit 1
+fi
+
+# pytest: the interpreter's own, else the bundle.
+if ! "$PY" -c "import pytest" >/dev/null 2>&1; then
+  for b in "$BUNDLE" "$ROOT/.scratch/gpu_bundle"; do
+    if [ -n "$b" ] && [ -d "$b" ]; then export PYTHONPATH=$PYTHONPATH:$b; break; fi
+  done
+fi
+
+T0=$SECONDS
+TEST_STATUS="NOT RUN"; TEST_DETAIL="pytest unavailable (make a bundle: --make-bundle)"
+if "$PY" -c "import pytest" >/dev/null 2>&1; then
+  echo "== pytest -q -x $TESTS (timeout ${TEST_TIMEOUT:-240} s)"
+  # shellcheck disable=SC2086
+  timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -q -x -p no:cacheprovider $TESTS \
+    --junitxml "$OUT_DIR/pytest.xml" 2>&1 | tee "$OUT_DIR/pytest.log"
+  rc=${PIPESTATUS[0]}
+  TEST_DETAIL=$(grep -E "(passed|failed|skipped|error|no tests ran)" "$OUT_DIR/pytest.log" \
+                | tail -n 1 | sed 's/=//g; s/^ *//; s/ *$//')
+  case $rc in
+    0) TEST_STATUS=PASS ;;
+    124) TEST_STATUS=TIMEOUT ;;
+    *) TEST_STATUS="FAIL($rc)" ;;
+  esac
+fi
+T1=$SECONDS
+
+echo "== vllm-dsv4-bench $BENCH_ARGS --json $OUT_DIR/bench.json (timeout ${BENCH_TIMEOUT:-330} s)"
+# shellcheck disable=SC2086
+timeout "${BENCH_TIMEOUT:-330}" "$PY" -m vllm_dsv4_backend.bench.cli $BENCH_ARGS --quiet \
+  --json "$OUT_DIR/bench.json" 2>&1 | tee "$OUT_DIR/bench.log"
+rc=${PIPESTATUS[0]}
+case $rc in
+  0) BENCH_STATUS=PASS ;;
+  124) BENCH_STATUS=TIMEOUT ;;
+  *) BENCH_STATUS="FAIL($rc)" ;;
+esac
+BENCH_DETAIL="$OUT_DIR/bench.json"
+[ -f "$OUT_DIR/bench.json" ] || { BENCH_DETAIL="no JSON written"; BENCH_STATUS="FAIL($rc)"; }
+T2=$SECONDS
+
+echo
+echo "== gpu_check summary ($( [ $DRY = 1 ] && echo 'dry run, CPU' || echo CUDA ))"
+printf '%-8s %-10s %6s  %s\n' step status seconds detail
+printf '%-8s %-10s %6s  %s\n' pytest "$TEST_STATUS" $((T1 - T0)) "$TEST_DETAIL"
+printf '%-8s %-10s %6s  %s\n' bench "$BENCH_STATUS" $((T2 - T1)) "$BENCH_DETAIL"
+if [ -f "$OUT_DIR/bench.json" ]; then
+  echo
+  "$PY" -m vllm_dsv4_backend.bench.cli --summary-from "$OUT_DIR/bench.json" --summary-only
+fi
+[ "$TEST_STATUS" = PASS ] && [ "$BENCH_STATUS" = PASS ] && exit 0
+exit 1
