@@ -81,11 +81,15 @@ def _plan(num_rows: int, row_quantum: int, h: int, width: int, entry_bytes: int,
     row_fixed = _row_bytes(h)
     width = max(width, 1)
     seg = width
+
+    def avail(seg: int) -> int:  # budget left for the per-row buffers
+        return budget - _arena_bytes(0, h, seg, entry_bytes)
+
     # Shrink the segment until one row quantum fits the budget (never below 64 columns).
-    while seg > _SEG_QUANTUM and row_quantum * (row_fixed + seg * entry_bytes) > budget:
+    while seg > _SEG_QUANTUM and row_quantum * (row_fixed + seg * entry_bytes) > avail(seg):
         seg = max(_SEG_QUANTUM, (seg // 2 + _SEG_QUANTUM - 1) // _SEG_QUANTUM * _SEG_QUANTUM)
     per_row = row_fixed + seg * entry_bytes
-    rows = max(row_quantum, (budget // per_row) // row_quantum * row_quantum)
+    rows = max(row_quantum, (max(avail(seg), 0) // per_row) // row_quantum * row_quantum)
     rows = min(rows, max(row_quantum, -(-num_rows // row_quantum) * row_quantum))
     return _Plan(rows, seg, _arena_bytes(rows, h, seg, entry_bytes))
 
