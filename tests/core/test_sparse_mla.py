@@ -243,8 +243,15 @@ def test_decode_small_scratch_chunks_and_too_small_raises() -> None:
     assert small < need
     out, lse = ops.sparse_mla_decode(*case.args(), scratch=torch.empty(small, dtype=torch.uint8))
     check_decode(case, out, lse)
+    # Any size from the minimum plan (one row quantum, 64-wide segments) up works, also as an
+    # unaligned view into a bigger buffer.
+    minimum = ops.decode_scratch_nbytes(4, 1, 64, 128, budget_bytes=1)
+    for nbytes in (minimum, minimum + 777, (minimum + need) // 2, need - 1):
+        buf = torch.empty(nbytes + 3, dtype=torch.uint8)[3:]
+        out, lse = ops.sparse_mla_decode(*case.args(), scratch=buf)
+        check_decode(case, out, lse)
     with pytest.raises(ValueError, match="scratch: expected at least"):
-        ops.sparse_mla_decode(*case.args(), scratch=torch.empty(1000, dtype=torch.uint8))
+        ops.sparse_mla_decode(*case.args(), scratch=torch.empty(minimum - 1, dtype=torch.uint8))
     with pytest.raises(ValueError, match="scratch: expected a 1-D torch.uint8"):
         ops.sparse_mla_decode(*case.args(), scratch=torch.empty(need, dtype=torch.int8))
 
