@@ -627,3 +627,92 @@ def local_to_global(
         lens.masked_fill_(~is_valid_token, 0)
     out_lens.copy_(lens)
     return out_indices, out_lens
+
+
+
+def _bench_case(
+    dtype: str, t: int, ctx: int, prefill: bool, dev: torch.device, reps: int
+) -> list[float]:  # pragma: no cover - manual tool
+    """Best-of-``reps`` ms of the four indexer ops for one synthetic step."""
+    import time
+
+    gen = torch.Generator().manual_seed(0)
+    heads, bs, topk = 64, 64, 512
+    n = ctx // 4
+    nblk = -(-n // bs)
+    reqs = 1 if prefill else t
+    nb = reqs * nblk + 1
+    cache = torch.zeros(nb, bs, ic.entry_bytes(dtype), dtype=torch.uint8, device=dev)
+    ic.quantize_and_insert(torch.randn(nb * bs, 128, generator=gen).to(dev), cache,
+                           torch.arange(nb * bs, device=dev), dtype)
+    bt = torch.randperm(nb, generator=gen)[: reqs * nblk].view(reqs, nblk).int().to(dev)
+    if prefill:  # the last t tokens of one request
+        pos, ttr = torch.arange(ctx - t, ctx), torch.zeros(t, dtype=torch.long)
+    else:  # one token per request, all at the end of their context
+        pos, ttr = torch.full((t,), ctx - 1), torch.arange(t)
+    pos, ttr = pos.to(dev), ttr.to(dev)
+    q = torch.randn(t, heads, 128, generator=gen).bfloat16().to(dev)
+    w = torch.randn(t, heads, generator=gen).bfloat16().to(dev)
+    cs = torch.randn(ctx, 64, generator=gen).to(dev)
+    lens = torch.div(pos + 1, 4, rounding_mode="floor")
+    if dtype == ic.FP8:
+        bufs = (torch.empty(t, heads, 128, dtype=torch.float8_e4m3fn, device=dev), None,
+                torch.empty(t, heads, device=dev))
+    else:
+        bufs = (torch.empty(t, heads, 64, dtype=torch.uint8, device=dev),
+                torch.empty(t, heads, 4, dtype=torch.uint8, device=dev),
+                torch.empty(t, heads, device=dev))
+    logits = torch.empty(t, n, device=dev)
+    local = torch.empty(t, topk, dtype=torch.int32, device=dev)
+    glob = torch.empty_like(local)
+    glens = torch.empty(t, dtype=torch.int32, device=dev)
+    best = [float("inf")] * 4
+    for rep in range(reps + 1):  # the first run warms up
+        marks = [time.perf_counter()]
+        qq = indexer_q_rope_quant(q, pos, cs, w, softmax_scale=128**-0.5,
+                                  head_scale=heads**-0.5, dtype=dtype, out=bufs)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        marks.append(time.perf_counter())
+        indexer_logits(qq.q, qq.q_scale, qq.weights, cache, lens, bt, dtype=dtype,
+                       token_to_req=ttr, out=logits)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        marks.append(time.perf_counter())
+        indexer_topk(logits, pos, topk, out=local)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        marks.append(time.perf_counter())
+        local_to_global(local, ttr, bt, bs, glob, glens)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        marks.append(time.perf_counter())
+        if rep:
+            best = [min(b, 1e3 * (y - x)) for b, x, y in zip(best, marks, marks[1:])]
+    return best
+
+
+def _benchmark(argv: list[str] | None = None) -> None:  # pragma: no cover - manual tool
+    """Print wall times of one indexer step: ``python -m vllm_dsv4_backend.ops.indexer``."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=_benchmark.__doc__)
+    p.add_argument("--dtype", choices=[ic.FP8, ic.MXFP4], nargs="+", default=[ic.FP8, ic.MXFP4])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
+    dev = torch.device(args.device)
+    cases = [("decode", 32, 8192, False), ("decode", 32, 65536, False),
+             ("prefill", 1024, 4096, True), ("prefill", 512, 16384, True)]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {dev}; "
+          f"64 index heads x 128, block 64, topk 512; best of {args.reps}, ms")
+    for dtype in args.dtype:
+        for label, t, ctx, prefill in cases:
+            b = _bench_case(dtype, t, ctx, prefill, dev, args.reps)
+            print(f"{dtype:5s} {label:7s} T={t:5d} ctx={ctx:6d} N={ctx // 4:6d}  "
+                  f"q_rope_quant {b[0]:8.2f}  logits {b[1]:9.2f}  topk {b[2]:8.2f}  "
+                  f"local_to_global {b[3]:7.2f}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _benchmark()
