@@ -412,3 +412,54 @@ def test_fallback_flash_mla_matches_float64_attention():
         den = p.sum(-1) + torch.exp(sink.double() - m)
         ref = (p @ k) / den[:, None]
         torch.testing.assert_close(out[i].double(), ref, rtol=2e-2, atol=1e-2)
+
+
+def test_dummy_init_rules_and_determinism():
+    import torch
+
+    from vllm_dsv4_backend import dummy_init
+
+    assert dummy_init.spec_from_config({"x": 1}) is None
+    marker = {dummy_init.MARKER_KEY: {"kind": "fan_in_normal", "seed": 3}}
+    spec = dummy_init.spec_from_config(marker)
+    assert spec.seed == 3
+    with pytest.raises(ValueError, match="vllm_dsv4_dummy_init.kind"):
+        dummy_init.spec_from_config({dummy_init.MARKER_KEY: {"kind": "uniform"}})
+    with pytest.raises(ValueError, match="vllm_dsv4_dummy_init.seed"):
+        dummy_init.spec_from_config({dummy_init.MARKER_KEY: {"seed": -1}})
+
+    def make():
+        return {
+            "a.weight": torch.empty(512, 1024, dtype=torch.bfloat16),
+            "experts.w13": torch.empty(4, 64, 256, dtype=torch.float32),
+            "norm.weight": torch.empty(4096, dtype=torch.bfloat16),
+            "attn.attn_sink": torch.full((8,), float("-inf")),
+            "scalar": torch.empty((), dtype=torch.float32),
+            "q.weight_fp8": torch.empty(64, 128, dtype=torch.float8_e4m3fn),
+            "x.weight_scale": torch.zeros(4, 4, dtype=torch.uint8),
+            "e8.weight_scale_inv": torch.zeros(3, dtype=torch.float8_e8m0fnu),
+            "gate.tid2eid": torch.full((5, 6), 7, dtype=torch.int32),
+        }
+
+    a, b = make(), make()
+    stats = dummy_init.init_fan_in_normal_(list(a.items()), seed=0)
+    dummy_init.init_fan_in_normal_(list(reversed(list(b.items()))), seed=0)  # order-free
+    assert stats == {"initialised": 8, "untouched": 1}
+    for k in a:
+        bytes_a = a[k].reshape(-1).view(torch.uint8)
+        assert torch.equal(bytes_a, b[k].reshape(-1).view(torch.uint8)), k
+    std = a["a.weight"].float().std().item()
+    assert abs(std - 1024**-0.5) < 0.05 * 1024**-0.5
+    assert abs(a["experts.w13"].std().item() - 256**-0.5) < 0.05 * 256**-0.5
+    for k in ("norm.weight", "attn.attn_sink"):
+        v = a[k].float()
+        # U(0.9, 1.1), rounded to the tensor dtype (bf16: 0.8984 is allowed)
+        assert torch.isfinite(v).all() and v.min() >= 0.89 and v.max() <= 1.11, k
+    assert a["scalar"].item() == 1.0
+    assert a["q.weight_fp8"].float().abs().max() > 0
+    assert (a["x.weight_scale"] == 127).all()
+    assert (a["e8.weight_scale_inv"].float() == 1.0).all()
+    assert (a["gate.tid2eid"] == 7).all()
+    c = make()
+    dummy_init.init_fan_in_normal_(list(c.items()), seed=1)
+    assert not torch.equal(a["a.weight"], c["a.weight"])
