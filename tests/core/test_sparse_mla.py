@@ -663,3 +663,17 @@ def test_vllm_cpu_adapter_with_emulated_kernel(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setenv("VLLM_DSV4_KERNEL", "vllm_cpu")
     with pytest.raises(ValueError, match=r"indices: expected slot ids in \[-1, "):
         ops.sparse_mla_decode(*args, need_lse=False)
+
+
+def test_vllm_cpu_ignores_plugin_fallback_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch fallback registered under ``torch.ops._C.flash_mla_with_kvcache_cpu`` by the
+    plugin (flagged ``__vllm_dsv4_fallback__``) is not vLLM's C++ kernel."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(vllm_cpu, "_lookup",
+                        lambda name: SimpleNamespace(**{vllm_cpu.FALLBACK_FLAG: True}))
+    assert not vllm_cpu.has_op()
+    monkeypatch.setattr(vllm_cpu, "_lookup", lambda name: SimpleNamespace())
+    assert vllm_cpu.has_op()
+    monkeypatch.setattr(vllm_cpu, "_lookup", lambda name: None)
+    assert not vllm_cpu.has_op()

@@ -23,6 +23,10 @@ compressed_cache_2d, compressed_slots, compressed_block_size, attn_sink, scale)`
   no-op, +inf zeroes the row. The kernel does not return the lse.
 - Numerics: bf16 K/V, exp approximations and bf16 probabilities in the PV product (AMX
   brgemm), so it agrees with the fp32 reference to ~1e-3, not bit for bit.
+
+On CPUs without AVX512-BF16 the plugin's ``vllm_compat.cpu_ops`` may register torch fallbacks
+under the same ``_C`` names (flagged with ``__vllm_dsv4_fallback__``); those are not vLLM's
+kernel, so :func:`has_op` ignores them and this path reports itself unavailable.
 """
 
 from __future__ import annotations
@@ -42,13 +46,24 @@ __all__ = ["available", "cpp_op", "has_op", "load", "sparse_mla_decode_vllm_cpu"
 _OP = "flash_mla_with_kvcache_cpu"
 
 
-def has_op(name: str = _OP) -> bool:
-    """True if ``torch.ops._C.<name>`` is registered in this process."""
+# Set on ``torch.ops._C.<name>`` by ``vllm_compat.cpu_ops`` when it registers a torch
+# fallback for a C++ op missing from vLLM's AVX2 library (that fallback runs this package's
+# torch path, so it is not vLLM's kernel and must not count as one here).
+FALLBACK_FLAG = "__vllm_dsv4_fallback__"
+
+
+def _lookup(name: str) -> object | None:
     try:
-        getattr(torch.ops._C, name)
+        return getattr(torch.ops._C, name)
     except (AttributeError, RuntimeError):
-        return False
-    return True
+        return None
+
+
+def has_op(name: str = _OP) -> bool:
+    """True if vLLM's C++ ``torch.ops._C.<name>`` is registered in this process (a torch
+    fallback registered under that name by this plugin does not count)."""
+    op = _lookup(name)
+    return op is not None and not getattr(op, FALLBACK_FLAG, False)
 
 
 @functools.lru_cache(maxsize=1)
