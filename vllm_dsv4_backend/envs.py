@@ -28,8 +28,9 @@ Variables:
     Which DeepSeek-V4 attention layer the model builds: ``plugin`` installs the
     plugin's layer (error if it is not available), ``vllm`` keeps vLLM's own
     (``DeepseekV4CPUAttention`` on CPU, for comparison), ``auto`` takes the
-    plugin's layer when ``vllm_dsv4_backend.layer`` provides one and vLLM's
-    otherwise (the choice is printed in the registration log line).
+    plugin's layer when ``vllm_dsv4_backend.layer.get_attention_layer_cls``
+    returns one for the platform and vLLM's otherwise (a missing module, or
+    ``NotImplementedError`` from that function, logged as a warning).
 ``VLLM_DSV4_SKIP_VERSION_CHECK`` = ``0`` (default) | ``1``
     Run on a vLLM version other than 0.32.x / 0.33.x (logged as a warning).
 ``VLLM_DSV4_DUMMY_INIT`` = ``1`` (default) | ``0``

@@ -112,7 +112,9 @@ def _select_attention_layer(platform: str) -> str:
                 f"{attention.LAYER_FACTORY} not found); use VLLM_DSV4_ATTN_IMPL=vllm"
             )
         return f"vllm {vllm_layer} (no {attention.LAYER_MODULE} yet)"
-    attention.install_attention_layer(factory, platform=platform, on_applied=_on_applied)
+    attention.install_attention_layer(
+        factory, platform=platform, on_applied=_on_applied, optional=impl == "auto"
+    )
     return f"plugin {attention.LAYER_MODULE} (VLLM_DSV4_ATTN_IMPL={impl})"
 
 

@@ -91,6 +91,18 @@ def registered_process(tmp_path_factory) -> dict:
         bad_layer_error = None
     except hooks.PatchError as e:
         bad_layer_error = str(e)
+
+    def unavailable():
+        raise NotImplementedError("no layer for this platform")
+    optional_notes = []
+    attention.install_attention_layer(unavailable, platform="cpu", optional=True,
+                                      on_applied=optional_notes.append)
+    optional_kept = cpu_model.DeepseekV4CPUAttention is ProbeAttention
+    try:
+        attention.install_attention_layer(unavailable, platform="cpu")
+        required_raised = False
+    except NotImplementedError:
+        required_raised = True
     print(json.dumps({
         "first": first, "second": second,
         "pending_after_first": pending_after_first,
@@ -102,6 +114,9 @@ def registered_process(tmp_path_factory) -> dict:
         "probe_installed": installed,
         "probe_applied": applied,
         "bad_layer_error": bad_layer_error,
+        "optional_kept": optional_kept,
+        "optional_notes": optional_notes,
+        "required_raised": required_raised,
         "fallbacks": cpu_ops.registered(),
         "missing_after": cpu_ops.missing_ops(),
         "pending_end": hooks.pending(),
@@ -140,6 +155,10 @@ def test_attention_layer_hook_point(registered_process):
     assert r["probe_applied"] and "DeepseekV4CPUAttention=" in r["probe_applied"][0]
     err = r["bad_layer_error"]
     assert err is not None and "DeepseekV4Attention" in err and "0.32" in err
+    # auto (optional): a provider without a layer for the platform keeps the
+    # current layer, with a note; plugin (required): the error propagates.
+    assert r["optional_kept"] and "plugin layer unavailable" in r["optional_notes"][0]
+    assert r["required_raised"]
 
 
 def test_version_gate():

@@ -37,7 +37,10 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from vllm_dsv4_backend._logging import init_logger
 from vllm_dsv4_backend.vllm_compat import hooks
+
+logger = init_logger(__name__)
 
 __all__ = [
     "CPU_MODULE",
@@ -120,6 +123,7 @@ def install_attention_layer(
     *,
     platform: str,
     on_applied: Callable[[str], None] | None = None,
+    optional: bool = False,
 ) -> None:
     """Make DeepSeek-V4 build ``cls`` as its attention layer in this process.
 
@@ -130,6 +134,9 @@ def install_attention_layer(
         platform: ``"cpu"`` (rebinds ``cpu.model.DeepseekV4CPUAttention``) or
             ``"cuda"`` (wraps ``nvidia.model._select_dsv4_attn_cls``).
         on_applied: called with a description once the swap is in place.
+        optional: if resolving ``cls`` raises ``NotImplementedError`` (the
+            provider has no layer for this platform), keep vLLM's layer and
+            log a warning instead of failing (``VLLM_DSV4_ATTN_IMPL=auto``).
 
     Raises:
         ValueError: unknown ``platform``.
@@ -138,13 +145,27 @@ def install_attention_layer(
     """
     if platform not in ("cpu", "cuda"):
         raise ValueError(f"platform: expected 'cpu' or 'cuda', got {platform!r}")
-    resolve = cls if not isinstance(cls, type) else (lambda: cls)
+    factory = cls if not isinstance(cls, type) else (lambda: cls)
+
+    def resolve() -> type | None:
+        try:
+            return factory()
+        except NotImplementedError as e:
+            if not optional:
+                raise
+            logger.warning("keeping vLLM's DeepSeek-V4 attention layer: %s", e)
+            if on_applied:
+                on_applied(f"attention:vllm (plugin layer unavailable: {e})")
+            return None
 
     def install_cpu(module: ModuleType) -> None:
         owner, attr, current = hooks.resolve(module, CPU_SYMBOL)
         if not isinstance(current, type):
             raise hooks.fail(f"{CPU_MODULE}.{CPU_SYMBOL}", f"is {current!r}, not a class")
-        layer = _check_layer_cls(resolve())
+        resolved = resolve()
+        if resolved is None:
+            return
+        layer = _check_layer_cls(resolved)
         if current is not layer:
             setattr(owner, attr, layer)
         _installed["cls"] = layer
@@ -158,7 +179,10 @@ def install_attention_layer(
             original = original.__vllm_dsv4_original__
         else:
             hooks.check_signature(f"{CUDA_MODULE}.{CUDA_SYMBOL}", original, ("vllm_config",))
-        layer = _check_layer_cls(resolve())
+        resolved = resolve()
+        if resolved is None:
+            return
+        layer = _check_layer_cls(resolved)
 
         def _select_dsv4_attn_cls(vllm_config: Any) -> type:
             backend = vllm_config.attention_config.backend
