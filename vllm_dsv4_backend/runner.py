@@ -449,7 +449,9 @@ def build_lm_eval_command(
         cmd += ["--num_fewshot", str(ev.num_fewshot)]
     lim = limit if limit is not None else ev.limit
     if lim is not None:
-        cmd += ["--limit", str(lim)]
+        # lm_eval reads "3.0" as a count but prints it oddly; keep whole counts integral
+        whole = float(lim).is_integer() and lim >= 1
+        cmd += ["--limit", str(int(lim)) if whole else str(lim)]
     cmd += ["--batch_size", str(ev.batch_size), "--seed", str(ev.seed)]
     if ev.gen_kwargs:
         cmd += ["--gen_kwargs", json.dumps(ev.gen_kwargs, sort_keys=True)]
@@ -940,6 +942,55 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def cpu_env(
+    scratch: str | os.PathLike[str], base: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """``base`` (default ``os.environ``) plus ``scripts/env.sh``'s CPU defaults.
+
+    Offline Hub/datasets, a 1 GiB CPU KV cache, and ``TMPDIR`` /
+    ``VLLM_CACHE_ROOT`` under ``scratch`` (each engine start leaves IPC sockets
+    and compile caches there). Values already set win, as in env.sh.
+    """
+    env = dict(os.environ if base is None else base)
+    s = Path(scratch)
+    defaults = {
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "DSV4_SCRATCH": str(s),
+        "TMPDIR": str(s / "tmp"),
+        "VLLM_CACHE_ROOT": str(s / "cache" / "vllm"),
+    }
+    for k, v in defaults.items():
+        env.setdefault(k, v)
+    Path(env["TMPDIR"]).mkdir(parents=True, exist_ok=True)
+    Path(env["VLLM_CACHE_ROOT"]).mkdir(parents=True, exist_ok=True)
+    return env
+
+
+def make_server(
+    serve_config: str | os.PathLike[str] | ServeConfig,
+    *,
+    log_path: str | os.PathLike[str],
+    env: Mapping[str, str] | None = None,
+    extra_args: Sequence[str] = (),
+    host: str = "127.0.0.1",
+    port: int | None = None,
+) -> ServerProcess:
+    """A (not yet started) ServerProcess for a serve config on a free loopback port.
+
+    Start several with ``.start()`` before waiting on any, so their slow
+    imports overlap.
+    """
+    serve = (
+        serve_config if isinstance(serve_config, ServeConfig) else load_serve_config(serve_config)
+    )
+    port = port or find_free_port(host)
+    cmd = build_serve_command(serve, host=host, port=port, extra_args=extra_args)
+    return ServerProcess(cmd, host=host, port=port, log_path=log_path, env=env)
 
 
 # --------------------------------------------------------------------------

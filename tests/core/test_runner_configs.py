@@ -386,14 +386,14 @@ def test_lm_eval_command(tmp_path: Path) -> None:
     ev = R.load_eval_config(SMOKE)
     cmd = R.build_lm_eval_command(
         ev, base_url="http://127.0.0.1:9/", model_name="tiny-dsv4", tokenizer="/tok,dir",
-        output_path=tmp_path, limit=3,
+        output_path=tmp_path, limit=3.0,
     )  # fmt: skip
     assert cmd[1:7] == ["-m", "lm_eval", "run", "--model", "local-completions", "--model_args"]
     ma = json.loads(cmd[7])
     assert ma["base_url"] == "http://127.0.0.1:9/v1/completions"
     assert ma["model"] == "tiny-dsv4" and ma["tokenizer"] == "/tok,dir"  # comma survives: JSON
     assert ma["tokenizer_backend"] == "huggingface" and ma["tokenized_requests"] is False
-    assert ma["num_concurrent"] == 4
+    assert ma["num_concurrent"] == 16
     i = cmd.index("--tasks")
     assert cmd[i + 1] == "dsv4_smoke_arith,dsv4_smoke_choice"
     assert cmd[cmd.index("--include_path") + 1] == str(ev.include_path)
