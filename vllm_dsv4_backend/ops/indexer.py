@@ -41,6 +41,8 @@ __all__ = [
 
 # Budget for the largest per-chunk temporary, in float32 elements (16 MiB).
 DEFAULT_CHUNK_ELEMS = 1 << 22
+# Query values per chunk in indexer_q_rope_quant (1 MiB of float32).
+_Q_CHUNK_ELEMS = 1 << 18
 _MAX_ENTRY_CHUNK = 4096
 _INT64_MIN = -(2**63)
 
@@ -221,39 +223,41 @@ def indexer_q_rope_quant(
                 f"{where}: argument 'positions' expected values in [0, "
                 f"{cos_sin_cache.shape[0]}) (rows of cos_sin_cache), got [{lo}, {hi}]"
             )
-    x = q.to(torch.float32, copy=True)
-    if t > 0 and rot > 0:
-        cs = cos_sin_cache.index_select(0, positions.long()).to(torch.float32)
-        half = rot // 2
-        x[..., d - rot :] = _gptj_rope_fma(
-            x[..., d - rot :], cs[:, None, :half], cs[:, None, half:]
-        )
+    fp8 = dtype == ic.FP8
+    if q_out is None:
+        if fp8:
+            q_out = torch.empty(t, h, d, dtype=torch.float8_e4m3fn, device=dev)
+        else:
+            q_out = torch.empty(t, h, d // 2, dtype=torch.uint8, device=dev)
+            qs_out = torch.empty(t, h, d // mxfp4.BLOCK_SIZE, dtype=torch.uint8, device=dev)
+        w_out = torch.empty(t, h, dtype=torch.float32, device=dev)
 
-    w = weights.to(torch.float32)
-    if dtype == ic.FP8:
-        amax = x.abs().amax(dim=-1)
-        e = ic.fp8_exponent(amax)
-        scale = ((e + 127) << 23).view(torch.float32)
-        scale = scale.masked_fill(~torch.isfinite(amax), float("nan"))
-        y = x.div_(scale.unsqueeze(-1)).clamp_(-ic.FP8_MAX, ic.FP8_MAX)
-        if q_out is None:
-            q_out = y.to(torch.float8_e4m3fn)
+    # Token chunks keep the float32/float64 temporaries cache-sized.
+    tc = max(1, _Q_CHUNK_ELEMS // max(1, h * d))
+    half = rot // 2
+    for t0 in range(0, t, tc):
+        t1 = min(t, t0 + tc)
+        x = q[t0:t1].to(torch.float32, copy=True)
+        if rot > 0:
+            cs = cos_sin_cache.index_select(0, positions[t0:t1].long()).to(torch.float32)
+            x[..., d - rot :] = _gptj_rope_fma(
+                x[..., d - rot :], cs[:, None, :half], cs[:, None, half:]
+            )
+        w = weights[t0:t1].to(torch.float32)
+        if fp8:
+            amax = x.abs().amax(dim=-1)
+            e = ic.fp8_exponent(amax)
+            scale = ((e + 127) << 23).view(torch.float32)
+            scale = scale.masked_fill(~torch.isfinite(amax), float("nan"))
+            q_out[t0:t1] = x.div_(scale.unsqueeze(-1)).clamp_(-ic.FP8_MAX, ic.FP8_MAX)
+            torch.mul(w, scale, out=w_out[t0:t1])
         else:
-            q_out.copy_(y)
-        if w_out is None:
-            w_out = w * scale
-        else:
-            torch.mul(w, scale, out=w_out)
-        qs_out = None
-    else:
-        q_out, qs_out = mxfp4.quantize(x, out_packed=q_out, out_scale=qs_out)
-        if w_out is None:
-            w_out = w.clone() if w is weights else w
-        else:
-            w_out.copy_(w)
+            assert qs_out is not None
+            mxfp4.quantize(x, out_packed=q_out[t0:t1], out_scale=qs_out[t0:t1])
+            w_out[t0:t1] = w
     # Separate float32 multiplies in vLLM's order (not one folded constant).
     w_out.mul_(softmax_scale).mul_(head_scale)
-    return IndexerQ(q_out, qs_out, w_out)
+    return IndexerQ(q_out, None if fp8 else qs_out, w_out)
 
 
 def _dequant_q(
