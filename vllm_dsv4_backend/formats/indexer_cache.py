@@ -43,10 +43,10 @@ indexer{,_mxfp4}_attn`` in ``fused_compress_quant_cache.py`` and the CPU
   happens for bf16 inputs (8-bit mantissas).
 - The 1e-4 floor is the float32 value of 1e-4, so the smallest FP8 scale is
   ``2**-22`` (an all-zero row stores scale ``2**-22`` and zero bytes).
-- A row holding NaN or +-inf stores a NaN scale (its bytes are e4m3 NaN
-  where the value is non-finite), so it dequantizes to NaN instead of to
-  plausible numbers. MXFP4 follows ``formats.mxfp4`` (NaN block -> scale
-  byte 0xFF -> NaN block).
+- A row holding NaN or +-inf stores a NaN scale and all-NaN e4m3 bytes, so
+  it dequantizes to NaN instead of to plausible numbers (vLLM's writers
+  make no such promise). MXFP4 follows ``formats.mxfp4`` (NaN block ->
+  scale byte 0xFF -> NaN block; inf saturates).
 """
 
 from __future__ import annotations
