@@ -112,6 +112,7 @@ def attend(
     compressed_cache: torch.Tensor | None = None,
     compressed_indices: torch.Tensor | None = None,
     compressed_lens: torch.Tensor | None = None,
+    scratch: torch.Tensor | None = None,
 ) -> None:
     """Sparse MLA of ``T`` tokens over their window and compressed entries,
     one softmax with the sink, written into ``out``.
@@ -123,6 +124,8 @@ def attend(
         compressed_indices: ``[T, K]`` int32 global slots, ``compressed_lens`` ``[T]``.
         attn_sink: ``[Hp]`` fp32 (pad heads ``-inf``).
         out: ``[T, Hp, 512]`` bf16.
+        scratch: optional uint8 buffer for the torch path's intermediates
+            (``ops.decode_scratch_nbytes``); with it the call allocates nothing.
     """
     ops.sparse_mla_decode(
         q.unsqueeze(1),
@@ -136,4 +139,5 @@ def attend(
         compressed_lens,
         out=out.unsqueeze(1),
         need_lse=False,
+        scratch=scratch,
     )

@@ -43,6 +43,8 @@ from vllm.models.deepseek_v4.cpu.cpu_sparse import (
     DeepseekV4CPUIndexer,
 )
 from vllm.models.deepseek_v4.cpu.cpu_utils import map_local_to_global_slots_cpu
+from vllm.utils.math_utils import cdiv
+from vllm.utils.math_utils import round_up as _round_up
 
 from vllm_dsv4_backend import eager, envs, ops
 from vllm_dsv4_backend.backend import (
@@ -62,6 +64,7 @@ logger = init_logger(__name__)
 PERTURB_SINK_ENV = "VLLM_DSV4_TEST_PERTURB_SINK"
 
 _managers: dict[int, WorkspaceManager] = {}
+_scratches: dict[int, torch.Tensor] = {}
 _managers_lock = threading.Lock()
 _logged_kinds: set[str] = set()
 _marked: set[str] = set()
@@ -287,6 +290,7 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         # All layers exist by now: reserve once, before vLLM profiles memory.
         if not self._workspace.reserved:
             self._workspace.reserve()
+            self._reserve_attention_scratch()
             stats = self._workspace.stats()
             logger.info(
                 "vllm_dsv4_backend workspace: policy %s, %.1f MiB reserved for %d layers",
@@ -299,6 +303,21 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
             logger.warning("%s=%s: shifting %s's sink (test only)", PERTURB_SINK_ENV,
                            delta, self.prefix)
             self.attn_sink.data += float(delta)
+
+    def _reserve_attention_scratch(self) -> None:
+        """One uint8 scratch for the torch sparse-MLA path, shared by the
+        model's layers (they run one after another on one stream), sized for
+        the widest row at max_num_batched_tokens and reserved with the
+        workspace so a step allocates nothing."""
+        cfg = self._workspace.config
+        widest_compressed = max(self.index_topk, cdiv(self.max_model_len, 128))
+        nbytes = ops.decode_scratch_nbytes(
+            cfg.max_num_batched_tokens, 1, self.padded_heads, self.window_size,
+            _round_up(widest_compressed, 128),
+        )
+        _scratches[id(self._workspace)] = torch.empty(
+            nbytes, dtype=torch.uint8, device=self.attn_sink.device
+        )
 
     def forward(
         self,
@@ -442,6 +461,7 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
                 extra_cache,
                 extra_indices,
                 extra_lens,
+                scratch=_scratches.get(id(self._workspace)),
             )
         finally:
             if topk_lease is not None:

@@ -1,0 +1,67 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Run the tiny DeepSeek-V4 through real vLLM once per requested variant and
+dump greedy tokens + top logprobs as JSON (used by test_parity.py).
+
+A variant is a set of environment variables applied before the engine starts
+(the engine core is a spawned process and inherits them), e.g. vLLM's own
+CPU attention (``VLLM_DSV4_ATTN_IMPL=vllm``) vs the plugin's layer with the
+torch kernels forced (``VLLM_DSV4_ATTN_IMPL=plugin VLLM_DSV4_KERNEL=torch``).
+
+Usage: python parity_worker.py SPEC.json OUT.json
+SPEC: {"model": dir, "prompts": [[ids...]], "max_tokens": n, "logprobs": k,
+       "engine": {...LLM kwargs...}, "variants": {name: {env}}}
+"""
+
+import gc
+import json
+import os
+import sys
+import time
+
+
+def main() -> None:
+    spec = json.load(open(sys.argv[1]))
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    results: dict = {}
+    base_env = dict(os.environ)
+    for name, env in spec["variants"].items():
+        os.environ.clear()
+        os.environ.update(base_env)
+        os.environ.update(env)
+        t0 = time.perf_counter()
+        llm = LLM(model=spec["model"], **spec["engine"])
+        init_s = time.perf_counter() - t0
+        sp = SamplingParams(
+            temperature=0.0,
+            max_tokens=spec["max_tokens"],
+            logprobs=spec["logprobs"],
+            ignore_eos=True,
+            seed=0,
+        )
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        gen_s = time.perf_counter() - t0
+        rows = []
+        for o in outs:
+            c = o.outputs[0]
+            rows.append(
+                {
+                    "tokens": list(c.token_ids),
+                    "logprobs": [
+                        {str(t): lp.logprob for t, lp in step.items()} for step in c.logprobs
+                    ],
+                }
+            )
+        results[name] = {"outputs": rows, "init_s": init_s, "generate_s": gen_s}
+        print(f"[parity] {name}: init {init_s:.1f}s generate {gen_s:.1f}s", flush=True)
+        del llm
+        gc.collect()
+    json.dump(results, open(sys.argv[2], "w"))
+
+
+if __name__ == "__main__":
+    main()
