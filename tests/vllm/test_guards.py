@@ -1,0 +1,57 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""FLASHMLA_SPARSE_DSV4 on a non-DeepSeek-V4 model is a clear startup error
+(vLLM's CPU platform would otherwise silently serve it with CPU_ATTN)."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_DSV4 = ROOT / "configs" / "tiny-dsv4"
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("tiny-llama")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        if (TINY_DSV4 / f).exists():
+            shutil.copy(TINY_DSV4 / f, d / f)
+    vocab = json.loads((TINY_DSV4 / "config.json").read_text())["vocab_size"]
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1,
+    }))
+    return d
+
+
+def _engine_config(model: Path, backend: str | None):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_dsv4_backend import guards
+
+    guards.install()
+    kwargs = {"attention_backend": backend} if backend else {}
+    return EngineArgs(model=str(model), load_format="dummy", tokenizer_mode="hf",
+                      max_model_len=256, enforce_eager=True, **kwargs).create_engine_config()
+
+
+def test_non_dsv4_model_is_refused(tiny_llama):
+    with pytest.raises(ValueError, match="serves only DeepSeek-V4.*LlamaForCausalLM"):
+        _engine_config(tiny_llama, "FLASHMLA_SPARSE_DSV4")
+
+
+def test_other_models_without_the_flag_are_untouched(tiny_llama):
+    cfg = _engine_config(tiny_llama, None)
+    assert cfg.model_config.architectures == ["LlamaForCausalLM"]
+
+
+def test_dsv4_with_the_flag_passes():
+    cfg = _engine_config(TINY_DSV4, "FLASHMLA_SPARSE_DSV4")
+    assert cfg.attention_config.backend.name == "FLASHMLA_SPARSE_DSV4"

@@ -1,0 +1,54 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Startup checks: FLASHMLA_SPARSE_DSV4 is for DeepSeek-V4 only.
+
+vLLM's CPU platform ignores ``--attention-backend`` for ordinary models (it
+logs "Cannot use ... backend on CPU" and serves with CPU_ATTN), and a CUDA
+build would try to build a generic layer on a DeepSeek-V4-only backend. A
+user who asked for this backend on another architecture gets a clear
+startup error instead, before anything is served.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+BACKEND_NAME = "FLASHMLA_SPARSE_DSV4"
+SUPPORTED_ARCHITECTURES = ("DeepseekV4ForCausalLM",)
+
+
+def check_architecture(vllm_config: Any) -> None:
+    """Raise ``ValueError`` if FLASHMLA_SPARSE_DSV4 is requested for a model
+    that is not DeepSeek-V4."""
+    backend = vllm_config.attention_config.backend
+    if backend is None or getattr(backend, "name", str(backend)) != BACKEND_NAME:
+        return
+    model_config = vllm_config.model_config
+    archs = list(getattr(model_config, "architectures", None) or [])
+    if any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        return
+    raise ValueError(
+        f"--attention-backend {BACKEND_NAME} (vllm_dsv4_backend) serves only DeepSeek-V4 "
+        f"(architectures {list(SUPPORTED_ARCHITECTURES)}); model {model_config.model!r} has "
+        f"architectures {archs}. Drop --attention-backend to let vLLM choose a backend for "
+        "this model."
+    )
+
+
+def install() -> str:
+    """Check the architecture when vLLM builds its engine config; idempotent."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    create = EngineArgs.create_engine_config
+    if not getattr(create, "_dsv4_patched", False):
+
+        @functools.wraps(create)
+        def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+            config = create(self, *args, **kwargs)
+            check_architecture(config)
+            return config
+
+        create_engine_config._dsv4_patched = True  # type: ignore[attr-defined]
+        EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
+    return f"{BACKEND_NAME} architecture check"
