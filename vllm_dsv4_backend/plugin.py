@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import sys
 import threading
 from typing import Any
 
@@ -44,9 +45,14 @@ def process_role() -> str:
     """vLLM role of this process from its multiprocessing name.
 
     ``frontend`` (API server or ``LLM`` caller), ``engine_core``
-    (``EngineCore[_DPn]``), ``worker`` (``VllmWorker-n``), else the raw name.
+    (``EngineCore[_DPn]``), ``worker`` (``VllmWorker-n``), ``model_inspect``
+    (the ``python -m vllm.model_executor.models.registry`` subprocess vLLM
+    runs to inspect a model class), else the raw name.
     """
     name = multiprocessing.current_process().name
+    argv0 = sys.argv[0] if sys.argv else ""
+    if argv0.replace(os.sep, "/").endswith("model_executor/models/registry.py"):
+        return "model_inspect"
     if name == "MainProcess" or name.startswith("ApiServer"):
         return "frontend"
     if name.startswith("EngineCore"):
