@@ -156,6 +156,18 @@ def _arm_cpu_op_fallbacks() -> None:
     hooks.when_imported(attention.CPU_MODULE, install)
 
 
+def _arm_config_hooks() -> None:
+    """Where vLLM parses and builds its config (the front end): accept
+    ``use_fp4_indexer_cache`` and refuse this backend for other architectures."""
+    from vllm_dsv4_backend import attention_config, guards
+    from vllm_dsv4_backend.vllm_compat import hooks
+
+    def install(_module: Any) -> None:
+        _on_applied("config:" + ", ".join([*attention_config.install(), guards.install()]))
+
+    hooks.when_imported("vllm.engine.arg_utils", install)
+
+
 def register() -> None:
     """Entry point of the ``vllm.general_plugins`` group (idempotent)."""
     global _REGISTERED
@@ -188,6 +200,8 @@ def register() -> None:
             armed.append("cpu-op-fallbacks")
         loader.arm_dummy_loader_hook(_on_applied)
         armed.append("dummy-init")
+        _arm_config_hooks()
+        armed += ["use_fp4_indexer_cache", "architecture-check"]
         layer = _select_attention_layer(platform)
         _state.update(armed=armed, attention_layer=layer)
         _REGISTERED = True
