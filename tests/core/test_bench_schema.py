@@ -222,3 +222,69 @@ def test_gpu_check_dry_run(tmp_path: Path) -> None:
     tail = "\n".join(lines[i:])
     assert "pytest   PASS" in tail and "bench    PASS" in tail
     assert "allocs/step in the eager region, off" in tail
+
+
+def test_e2e_orchestration_with_fake_servers(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """--e2e without vLLM: both servers up, alternating rounds, paired ratios, policy check."""
+    pytest.importorskip("yaml")
+    from vllm_dsv4_backend import runner as R
+    from vllm_dsv4_backend.bench import e2e as E
+
+    order: list[str] = []
+    ttft = {("shared", 0): 10.0, ("off", 0): 20.0, ("shared", 1): 30.0, ("off", 1): 20.0,
+            ("shared", 2): 12.0, ("off", 2): 10.0}
+    wrong_policy: dict[str, str] = {}
+
+    class FakeServer:
+        def __init__(self, policy: str, env: dict, log_path: Path) -> None:
+            self.policy, self.env, self.log_path = policy, env, log_path
+            self.base_url = f"http://fake-{policy}"
+            self.stopped = False
+
+        def start(self) -> FakeServer:
+            d = Path(self.env["VLLM_DSV4_MARKER_DIR"])
+            d.mkdir(parents=True, exist_ok=True)
+            seen = wrong_policy.get(self.policy, self.env["VLLM_DSV4_WORKSPACE"])
+            (d / "layer-c4-1.json").write_text(json.dumps({"workspace_policy": seen}))
+            return self
+
+        def wait_healthy(self, timeout: float, progress=None) -> float:
+            return 1.5
+
+        def stop(self) -> int:
+            self.stopped = True
+            return 0
+
+    servers: list[FakeServer] = []
+
+    def make_server(serve, *, log_path, env, **kw):
+        s = FakeServer(env["VLLM_DSV4_WORKSPACE"], env, log_path)
+        servers.append(s)
+        return s
+
+    def run_logged(cmd, log_path, env, what):
+        policy = cmd[cmd.index("--base-url") + 1].rsplit("-", 1)[1]
+        rnd = sum(1 for p in order if p == policy)
+        order.append(policy)
+        out = Path(cmd[cmd.index("--result-dir") + 1]) / cmd[cmd.index("--result-filename") + 1]
+        v = ttft[(policy, rnd)]
+        out.write_text(json.dumps({"mean_ttft_ms": v, "mean_tpot_ms": v / 10, "completed": 4,
+                                   "failed": 0}))
+
+    monkeypatch.setattr(R, "make_server", make_server)
+    monkeypatch.setattr(R, "run_logged", run_logged)
+    res = E.run_e2e(rounds=3, out_dir=tmp_path)
+    assert order == ["shared", "off", "off", "shared", "shared", "off"]
+    assert all(s.stopped for s in servers) and len(servers) == 2
+    assert set(res) == set(E.E2E_KEYS) and res["policy_confirmed"]
+    # paired ratios 0.5, 1.5, 1.2 -> median 1.2 (a ratio of medians would give 12/20 = 0.6)
+    assert res["ratios"]["mean_ttft_ms"] == pytest.approx(1.2)
+    assert res["by_policy"]["shared"]["mean_ttft_ms"] == 12.0
+    assert res["ratios"]["median_ttft_ms"] is None
+    assert "shared/off" in E.format_e2e(res)
+
+    wrong_policy["off"] = "shared"  # the env var did not take effect in that server
+    order.clear()
+    res = E.run_e2e(rounds=1, out_dir=tmp_path / "again")
+    assert not res["policy_confirmed"]

@@ -302,10 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "comparison with vLLM's C++ CPU kernel")
     p.add_argument("--seed", type=int, help="RNG seed of the synthetic inputs (default 0)")
     p.add_argument("--e2e", action="store_true", help="also run vllm bench serve on the tiny "
-                   "model with VLLM_DSV4_WORKSPACE=shared then off (needs vLLM; minutes)")
+                   "model, one server with VLLM_DSV4_WORKSPACE=shared and one with off, in "
+                   "alternating rounds (needs vLLM; 10+ minutes on a loaded 2-core CPU)")
     p.add_argument("--e2e-only", action="store_true", help="only the end-to-end comparison")
-    p.add_argument("--e2e-rounds", type=int, default=1, help="server pairs to run (order "
-                   "alternates; ratios use the median; default 1)")
+    p.add_argument("--e2e-rounds", type=int, default=3, help="bench rounds against the two "
+                   "servers (order alternates; ratios: median of paired ratios; default 3)")
     p.add_argument("--e2e-set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a vllm bench serve flag of the e2e bench config")
     p.add_argument("--summary-from", metavar="JSON", help="print the tables of an earlier "
