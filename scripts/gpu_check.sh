@@ -57,7 +57,8 @@ if [ -n "$MAKE_BUNDLE" ]; then
   "$PY" - "$MAKE_BUNDLE" <<'EOF'
 import importlib.util, os, shutil, sys
 dest = sys.argv[1]
-for name in ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "py", "yaml"):
+for name in ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "py", "pygments", "yaml",
+             "typing_extensions", "tomli", "exceptiongroup"):
     spec = importlib.util.find_spec(name)
     if spec is None or spec.origin is None:
         print(f"gpu_check: {name} not found in {sys.executable}, skipped")
@@ -71,6 +72,25 @@ for name in ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "py", "yam
     else:
         shutil.copy2(src, dst)
     print(f"gpu_check: bundled {name} from {src}")
+# Python < 3.11 boxes need these two backports; fetch the pure-Python wheels if this
+# interpreter (3.11+) has none to copy.
+import glob, subprocess, tempfile, zipfile
+for name in ("tomli", "exceptiongroup"):
+    if os.path.exists(os.path.join(dest, name)):
+        continue
+    with tempfile.TemporaryDirectory() as tmp:
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",
+                            "--only-binary", ":all:", "--platform", "any",
+                            "--implementation", "py", "--python-version", "3.10",
+                            "--dest", tmp, name],
+                           capture_output=True, text=True)
+        wheels = glob.glob(os.path.join(tmp, "*.whl"))
+        if r.returncode or not wheels:
+            print(f"gpu_check: could not download {name} (only Python < 3.11 needs it)")
+            continue
+        with zipfile.ZipFile(wheels[0]) as z:
+            z.extractall(dest, [m for m in z.namelist() if m.startswith(name + "/")])
+        print(f"gpu_check: bundled {name} from {os.path.basename(wheels[0])}")
 EOF
   echo "gpu_check: bundle in $MAKE_BUNDLE (carry it to the GPU box; found automatically" \
        "at .scratch/gpu_bundle)"
