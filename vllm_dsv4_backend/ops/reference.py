@@ -300,6 +300,13 @@ def sparse_mla_decode_torch(
         lse_out = torch.empty(b, h, s_q, dtype=torch.float32, device=dev)
     if b * s_q == 0:
         return out, lse_out if need_lse else None
+    if b * s_q * (n1 + n2) >= DEDUP_MIN_ENTRIES:
+        deduped = _decode_deduplicated(
+            q, k_cache, indices, topk_length, attn_sink, dims, extra_k_cache, extra_indices,
+            extra_topk_length, out, lse_out if need_lse else None, budget_bytes,
+        )
+        if deduped:
+            return out, lse_out if need_lse else None
     eb = _decode_entry_bytes(h)
     plan = _plan(b * s_q, s_q, h, n1 + n2, eb, budget_bytes)
     plan, buf = _resolve_scratch(
@@ -395,6 +402,78 @@ def sparse_mla_decode_torch(
         if need_lse:
             lse_out[b0:b1].copy_(lse_chunk[: r * h].view(nb, s_q, h).transpose(1, 2))
     return out, lse_out if need_lse else None
+
+
+DEDUP_MIN_ENTRIES = 1 << 16
+"""Decode calls naming at least this many (row, index) entries try the deduplicated path.
+
+Such calls are prefills in decode form (a prompt's rows); they allocate their slot table
+even when ``scratch`` is given. Decode steps stay far below this and allocate nothing."""
+
+
+def _decode_deduplicated(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    indices: torch.Tensor,
+    topk_length: torch.Tensor | None,
+    attn_sink: torch.Tensor | None,
+    dims: DecodeDims,
+    extra_k_cache: torch.Tensor | None,
+    extra_indices: torch.Tensor | None,
+    extra_topk_length: torch.Tensor | None,
+    out: torch.Tensor,
+    lse_out: torch.Tensor | None,
+    budget_bytes: int,
+) -> bool:
+    """Prefill-shaped decode calls (many rows over overlapping slots): dequantize each
+    distinct slot once into a bf16 table, then attend with the prefill path over it.
+
+    A prompt's rows share their window and compressed entries, so ``T x topk`` entries
+    name only about ``T + T/ratio`` slots; the fp8 decode then runs once per slot instead of
+    once per entry. Dequantized values are exact in bf16 (e4m3 times a power of two), so the
+    result equals the entry-wise path up to summation order. Returns False (nothing written)
+    when the call does not repeat slots enough to pay for the table.
+    """
+    b, s_q, h = dims.batch, dims.s_q, dims.h_q
+    rows = b * s_q
+    tables, local = [], []
+    offset = 0
+    parts = [(k_cache, dims.layout, indices, topk_length, dims.topk)]
+    if extra_k_cache is not None and dims.extra_topk > 0:
+        parts.append((extra_k_cache, dims.extra_layout, extra_indices, extra_topk_length,
+                      dims.extra_topk))
+    for cache, layout, idx, lens, n in parts:
+        ids = idx.reshape(b, s_q, n).to(torch.int64)
+        invalid = ids == -1
+        if lens is not None:
+            pos = torch.arange(n, device=ids.device).view(1, 1, n)
+            invalid |= pos >= lens.view(b, 1, 1)
+        ids = ids.masked_fill(invalid, -1)
+        if bool(((ids < -1) | (ids >= layout.num_slots)).any()):
+            return False  # the entry-wise path raises the precise error
+        uniq, inv = torch.unique(ids, return_inverse=True)
+        if uniq.numel() * 4 > ids.numel():
+            return False
+        # uniq may start with -1, which gathers a zero row (never referenced below).
+        table = fp8_ds_mla.dequantize_and_gather(cache, uniq.to(torch.int32))
+        loc = (inv + offset).masked_fill_(invalid, -1)
+        tables.append(table)
+        local.append(loc.view(rows, n))
+        offset += table.shape[0]
+    kv = torch.cat(tables).view(-1, 1, D)
+    idx_all = torch.cat(local, dim=1).to(torch.int32).view(rows, 1, -1)
+    pdims = PrefillDims(s_q=rows, h_q=h, s_kv=kv.shape[0], topk=idx_all.shape[-1],
+                        sm_scale=dims.softmax_scale)
+    flat_out = out.view(rows, h, D) if out.is_contiguous() else None
+    res, _, lse = sparse_mla_prefill_torch(
+        q.reshape(rows, h, D), kv, idx_all, pdims, attn_sink,
+        out=flat_out, budget_bytes=budget_bytes,
+    )
+    if flat_out is None:
+        out.copy_(res.view(b, s_q, h, D))
+    if lse_out is not None:
+        lse_out.copy_(lse.view(b, s_q, h).transpose(1, 2))
+    return True
 
 
 # --------------------------------------------------------------------------------------------
