@@ -380,7 +380,7 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
 
     def _wrap_wo_a_process_weights_after_loading(self) -> None:
         # vLLM packs wo_a for its C++ bmm (absent from non-AVX-512 builds);
-        # we keep a dense bf16 [groups, o_lora_rank, k] copy for torch.
+        # we keep a dense [groups, o_lora_rank, k] copy for torch.
         wo_a = self.wo_a
         quant_method = wo_a.quant_method
         orig_pwal = quant_method.process_weights_after_loading
@@ -389,9 +389,12 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         def capture(layer: torch.nn.Module) -> None:
             from vllm.models.deepseek_v4.cpu.cpu_sparse import _dequant_linear_weight
 
+            # fp32: bf16 matmuls are ~20x slower on CPUs without AVX512-BF16,
+            # and the weight values are bf16-exact either way.
             self._wo_a_dense = (
                 _dequant_linear_weight(layer)
                 .to(torch.bfloat16)
+                .float()
                 .view(self.n_local_groups, self.o_lora_rank, k_dim)
                 .contiguous()
             )
@@ -404,9 +407,10 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
             return torch.zeros((o.shape[0], self.hidden_size), dtype=o.dtype, device=o.device)
         num_tokens, num_heads, _ = o.shape
         o_derot = rope_ops.inverse_rope_(o, positions, self.rotary_emb.cos_sin_cache)
-        grouped = o_derot.to(torch.bfloat16).view(num_tokens, self.n_local_groups, -1)
-        z = torch.einsum("tgk,gok->tgo", grouped, self._wo_a_dense)
-        return self.wo_b(z.flatten(1))
+        # Round o to bf16 first: vLLM's kernels feed wo_a a bf16 activation.
+        grouped = o_derot.to(torch.bfloat16).float().view(num_tokens, self.n_local_groups, -1)
+        z = torch.bmm(grouped.transpose(0, 1), self._wo_a_dense.transpose(1, 2))
+        return self.wo_b(z.transpose(0, 1).flatten(1).to(o.dtype))
 
     def _sparse_indexer_and_attn(
         self,
