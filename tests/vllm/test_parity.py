@@ -86,7 +86,9 @@ def parity_runs(tmp_path_factory):
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("parity_worker.py")),
          str(d / "spec.json"), str(d / "out.json")],
-        capture_output=True, text=True, timeout=1200, env=dict(os.environ),
+        capture_output=True, text=True, timeout=1800,
+        # A 2k-token prefill on a loaded 2-core box can exceed vLLM's 300 s step limit.
+        env={**os.environ, "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "1500"},
     )
     if proc.returncode != 0:
         pytest.fail(f"parity worker failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n"
