@@ -134,9 +134,9 @@ def tiny_server():
         TMPDIR=str(run_dir / "tmp"),
         VLLM_CACHE_ROOT=str(SCRATCH / "cache" / "vllm"),
         VLLM_DSV4_MARKER_DIR=str(marker_dir),
-        # vLLM's own DeepSeek-V4 CPU layer unless the caller picks another one
-        # (VLLM_DSV4_ATTN_IMPL=plugin runs these tests on the plugin's layer).
-        VLLM_DSV4_ATTN_IMPL=env.get("VLLM_DSV4_ATTN_IMPL", "vllm"),
+        # The plugin's layer (the product) unless the caller picks vLLM's own
+        # (VLLM_DSV4_ATTN_IMPL=vllm runs these tests on vLLM's DeepSeek-V4 CPU layer).
+        VLLM_DSV4_ATTN_IMPL=env.get("VLLM_DSV4_ATTN_IMPL", "plugin"),
         PYTHONUNBUFFERED="1",
     )
     timeout = float(os.environ.get("DSV4_SERVER_TIMEOUT", "900"))
