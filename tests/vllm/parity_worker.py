@@ -10,7 +10,8 @@ torch kernels forced (``VLLM_DSV4_ATTN_IMPL=plugin VLLM_DSV4_KERNEL=torch``).
 
 Usage: python parity_worker.py SPEC.json OUT.json
 SPEC: {"model": dir, "prompts": [[ids...]], "max_tokens": n, "logprobs": k,
-       "engine": {...LLM kwargs...}, "variants": {name: {env}}}
+       "engine": {...LLM kwargs...},
+       "variants": {name: {env} | {"env": {...}, "engine": {...LLM kwarg overrides}}}}
 """
 
 import gc
@@ -18,21 +19,25 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 
 def main() -> None:
-    spec = json.load(open(sys.argv[1]))
+    spec = json.loads(Path(sys.argv[1]).read_text())
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     results: dict = {}
     base_env = dict(os.environ)
-    for name, env in spec["variants"].items():
+    for name, variant in spec["variants"].items():
+        # A variant is {env} or {"env": {...}, "engine": {...overrides}}.
+        env = variant.get("env", variant)
+        engine = {**spec["engine"], **variant.get("engine", {})}
         os.environ.clear()
         os.environ.update(base_env)
         os.environ.update(env)
         t0 = time.perf_counter()
-        llm = LLM(model=spec["model"], **spec["engine"])
+        llm = LLM(model=spec["model"], **engine)
         init_s = time.perf_counter() - t0
         sp = SamplingParams(
             temperature=0.0,
@@ -60,7 +65,7 @@ def main() -> None:
         print(f"[parity] {name}: init {init_s:.1f}s generate {gen_s:.1f}s", flush=True)
         del llm
         gc.collect()
-    json.dump(results, open(sys.argv[2], "w"))
+    Path(sys.argv[2]).write_text(json.dumps(results))
 
 
 if __name__ == "__main__":

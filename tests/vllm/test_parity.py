@@ -79,6 +79,12 @@ def parity_runs(tmp_path_factory):
             "vllm": {"VLLM_DSV4_ATTN_IMPL": "vllm"},
             "plugin": plugin,
             "plugin_sink_perturbed": {**plugin, "VLLM_DSV4_TEST_PERTURB_SINK": "3.0"},
+            # The flag users know; vLLM itself refuses MXFP4 off Blackwell.
+            "plugin_mxfp4_indexer": {
+                "env": plugin,
+                "engine": {"attention_config": {"use_fp4_indexer_cache": True}},
+            },
+            "plugin_kv_auto": {"env": plugin, "engine": {"kv_cache_dtype": "auto"}},
         },
     }
     d = tmp_path_factory.mktemp("parity")
@@ -107,3 +113,21 @@ def test_plugin_matches_vllm_cpu_attention(parity_runs):
 
 def test_negative_control_is_detected(parity_runs):
     assert compare(parity_runs["vllm"], parity_runs["plugin_sink_perturbed"])
+
+
+def test_kv_cache_dtype_auto_is_the_fp8_ds_mla_cache(parity_runs):
+    # auto resolves to the same 584 B fp8_ds_mla layout: identical results.
+    assert not compare(parity_runs["plugin"], parity_runs["plugin_kv_auto"], atol=0.0)
+
+
+def test_mxfp4_indexer_cache(parity_runs):
+    fp8, fp4 = parity_runs["plugin"]["outputs"], parity_runs["plugin_mxfp4_indexer"]["outputs"]
+    # Prompts with at most 4 x index_topk tokens select every compressed entry
+    # whatever the indexer scores, so the indexer cache dtype cannot matter.
+    for i in (0, 1):
+        assert fp4[i]["tokens"] == fp8[i]["tokens"], f"prompt {i}"
+    # Beyond that the MXFP4 logits pick the top-k: the run completes with
+    # informative, finite logprobs (its selection may differ from FP8's).
+    steps = fp4[2]["logprobs"]
+    assert len(steps) == NUM_TOKENS
+    assert all(math.isfinite(v) for s in steps for v in s.values())
