@@ -393,7 +393,7 @@ def test_lm_eval_command(tmp_path: Path) -> None:
     assert ma["base_url"] == "http://127.0.0.1:9/v1/completions"
     assert ma["model"] == "tiny-dsv4" and ma["tokenizer"] == "/tok,dir"  # comma survives: JSON
     assert ma["tokenizer_backend"] == "huggingface" and ma["tokenized_requests"] is False
-    assert ma["num_concurrent"] == 16
+    assert ma["num_concurrent"] == 1
     i = cmd.index("--tasks")
     assert cmd[i + 1] == "dsv4_smoke_arith,dsv4_smoke_choice"
     assert cmd[cmd.index("--include_path") + 1] == str(ev.include_path)
