@@ -121,4 +121,27 @@ def install() -> list[str]:
         init_normalized._dsv4_patched = True  # type: ignore[attr-defined]
         AttentionConfig.__init__ = init_normalized  # type: ignore[method-assign]
     patched.append("AttentionConfig(use_fp4_indexer_cache=...)")
+
+    from vllm_dsv4_backend.vllm_compat import hooks
+
+    # LLM(attention_config={...}) drops unknown keys' dict through
+    # is_init_field(), which raises before AttentionConfig sees them.
+    hooks.when_imported("vllm.entrypoints.llm", _patch_llm)
+    patched.append("LLM(attention_config={...})")
     return patched
+
+
+def _patch_llm(module: Any) -> None:
+    llm_init = module.LLM.__init__
+    if getattr(llm_init, "_dsv4_patched", False):
+        return
+
+    @functools.wraps(llm_init)
+    def init_normalized(self: Any, *args: Any, **kwargs: Any) -> None:
+        cfg = kwargs.get("attention_config")
+        if isinstance(cfg, dict):
+            kwargs["attention_config"] = normalize_attention_config(cfg)
+        llm_init(self, *args, **kwargs)
+
+    init_normalized._dsv4_patched = True  # type: ignore[attr-defined]
+    module.LLM.__init__ = init_normalized

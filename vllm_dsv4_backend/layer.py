@@ -532,11 +532,12 @@ def _allow_mxfp4_indexer_cache() -> None:
     """vLLM refuses ``indexer_kv_dtype="mxfp4"`` off Blackwell ("requires
     Blackwell datacenter GPUs") because its MXFP4 indexer kernels are
     DeepGEMM's; the plugin's layer computes MXFP4 logits in torch, so lift the
-    architecture check for the layers it builds. Other validation (unknown
-    dtypes) stays vLLM's."""
+    architecture check for the model it builds (the layer and the indexer
+    metadata builder both ask). Other validation (unknown dtypes) stays vLLM's."""
     import vllm.models.deepseek_v4.attention as dsv4_attention
+    import vllm.v1.attention.backends.mla.indexer as mla_indexer
 
-    original = dsv4_attention.dsa_indexer_uses_fp4
+    original = mla_indexer.dsa_indexer_uses_fp4
     if getattr(original, "_dsv4_patched", False):
         return
 
@@ -547,6 +548,7 @@ def _allow_mxfp4_indexer_cache() -> None:
         return original(vllm_config)
 
     dsa_indexer_uses_fp4._dsv4_patched = True  # type: ignore[attr-defined]
+    mla_indexer.dsa_indexer_uses_fp4 = dsa_indexer_uses_fp4
     dsv4_attention.dsa_indexer_uses_fp4 = dsa_indexer_uses_fp4
 
 

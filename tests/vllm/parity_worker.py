@@ -26,6 +26,11 @@ def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.plugins import load_general_plugins
+
+    # LLM() converts attention_config dicts before it loads plugins; load them
+    # first so use_fp4_indexer_cache is understood (the CLI needs no help).
+    load_general_plugins()
 
     results: dict = {}
     base_env = dict(os.environ)
