@@ -344,6 +344,22 @@ def test_smoke_task_data_is_consistent() -> None:
         u.load_smoke_dataset("nope")
 
 
+def test_smoke_tasks_fit_vllm_stop_limit() -> None:
+    """lm_eval appends the tokenizer's EOS string to `until`, and vLLM rejects more
+    than VLLM_MAX_STOP_STRINGS (4) stop strings with HTTP 400: keep <= 3."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_constructor("!function", lambda loader, node: loader.construct_scalar(node))
+    for path in (CONFIGS / "lm_eval" / "tasks").glob("*.yaml"):
+        task = yaml.load(path.read_text(), Loader=Loader)
+        until = (task.get("generation_kwargs") or {}).get("until", [])
+        assert len(until) <= 3, f"{path.name}: {len(until)} stop strings + EOS > 4"
+        assert task["custom_dataset"] == "dsv4_smoke_utils.load_smoke_dataset"
+
+
 def test_smoke_dataset_loader() -> None:
     pytest.importorskip("datasets")
     u = _smoke_utils()
