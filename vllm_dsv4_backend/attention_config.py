@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import sys
 from typing import Any
 
 LEGACY_KEY = "use_fp4_indexer_cache"
@@ -122,12 +123,14 @@ def install() -> list[str]:
         AttentionConfig.__init__ = init_normalized  # type: ignore[method-assign]
     patched.append("AttentionConfig(use_fp4_indexer_cache=...)")
 
-    from vllm_dsv4_backend.vllm_compat import hooks
-
-    # LLM(attention_config={...}) drops unknown keys' dict through
-    # is_init_field(), which raises before AttentionConfig sees them.
-    hooks.when_imported("vllm.entrypoints.llm", _patch_llm)
-    patched.append("LLM(attention_config={...})")
+    # LLM(attention_config={...}) filters the dict through is_init_field(),
+    # which raises before AttentionConfig sees it. LLM() loads plugins only
+    # after that, so this helps callers that loaded plugins themselves
+    # (vllm.plugins.load_general_plugins()) after importing LLM.
+    llm_module = sys.modules.get("vllm.entrypoints.llm")
+    if llm_module is not None:
+        _patch_llm(llm_module)
+        patched.append("LLM(attention_config={...})")
     return patched
 
 

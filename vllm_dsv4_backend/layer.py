@@ -118,6 +118,8 @@ def _write_marker(kind: str, layer: DSV4CPUAttention, path: str) -> None:
     if marker_dir is None or kind in _marked:
         return
     _marked.add(kind)
+    # A subdirectory: the plugin's per-process markers live in marker_dir itself.
+    marker_dir = os.path.join(marker_dir, "layers")
     os.makedirs(marker_dir, exist_ok=True)
     import multiprocessing
 

@@ -17,7 +17,8 @@ def test_plugin_layer_ran_in_the_worker(tiny_server):
         pytest.skip("server runs vLLM's own layer (VLLM_DSV4_ATTN_IMPL=vllm)")
     tiny_server.post("/v1/completions", {"model": tiny_server.model, "prompt": "x " * 300,
                                          "max_tokens": 2, "temperature": 0})
-    records = [json.loads(p.read_text()) for p in tiny_server.marker_dir.glob("layer-*.json")]
+    layer_dir = tiny_server.marker_dir / "layers"
+    records = [json.loads(p.read_text()) for p in layer_dir.glob("layer-*.json")]
     kinds = {r["layer_kind"] for r in records}
     assert kinds == {"swa", "c4", "c128"}, records
     for r in records:
