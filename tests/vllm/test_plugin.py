@@ -146,7 +146,11 @@ def test_patches_apply_when_vllm_imports_the_model(registered_process):
     assert {"swaonly", "c4a", "c128a", "c1a", "c2a"} <= set(r["b1_keys"])
     assert r["attn_cls_is_vllm"], "VLLM_DSV4_ATTN_IMPL=vllm must keep vLLM's layer"
     assert r["missing_after"] == [], "DeepSeek-V4 CPU ops still missing after the fallbacks"
-    assert not any(m.startswith("vllm.") for m in r["pending_end"])
+    # The config hooks wait for vllm.engine.arg_utils, which only processes that
+    # parse or build a config import; every model/kernel patch must have applied.
+    assert not any(
+        m.startswith("vllm.") and m != "vllm.engine.arg_utils" for m in r["pending_end"]
+    )
 
 
 def test_attention_layer_hook_point(registered_process):
