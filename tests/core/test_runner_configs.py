@@ -147,8 +147,9 @@ def test_fp4_serve_config_parses_with_vllm_and_plugin() -> None:
     _vllm_serve_parser()  # loads the general plugins, ours included
     from vllm.engine import arg_utils
 
-    if not getattr(arg_utils._expand_json_human_readable_numbers, "_dsv4_patched", False):
-        pytest.skip("the plugin's use_fp4_indexer_cache mapping is not installed by register()")
+    assert getattr(arg_utils._expand_json_human_readable_numbers, "_dsv4_patched", False), (
+        "register() must install the use_fp4_indexer_cache mapping"
+    )
     ea = _parse_serve(FP4)
     assert ea.tensor_parallel_size == 4 and ea.enable_expert_parallel is True
     assert ea.attention_config.indexer_kv_dtype == "mxfp4"
