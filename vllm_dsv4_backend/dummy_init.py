@@ -29,17 +29,37 @@ Every tensor gets its own CPU ``torch.Generator`` seeded from the marker's
 seed and a CRC32 of the parameter name, so values depend neither on module
 order nor on the device: two processes (or a CPU and a CUDA run) get
 bit-identical weights. Buffers are left to vLLM's loader.
+
+Tensor parallelism: :func:`init_model_` makes the weights independent of the
+TP size. A sharded parameter's *whole* logical tensor is generated (from its
+name and full shape, ``fan_in`` = the full input features) and handed to the
+parameter's own vLLM ``weight_loader``, which keeps this rank's shard exactly
+as it would from a checkpoint: linear layers (one tensor per output of a
+merged layer), vocab embeddings / LM head, routed experts (one tensor per
+global expert and ``w1``/``w2``/``w3``), and the attention sink (heads
+``[rank * n_local, (rank + 1) * n_local)``, padding slots keep their -inf).
+So TP 1 and TP 2 serve the same model. Other parameters are replicated and
+initialised in place; the hash router table (``tid2eid``) gets seeded
+``randint(0, n_routed_experts)`` like vLLM's own.
 """
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-__all__ = ["MARKER_KEY", "DummyInitSpec", "init_fan_in_normal_", "init_tensor_", "spec_from_config"]
+__all__ = [
+    "MARKER_KEY",
+    "DummyInitSpec",
+    "init_fan_in_normal_",
+    "init_model_",
+    "init_tensor_",
+    "spec_from_config",
+]
 
 MARKER_KEY = "vllm_dsv4_dummy_init"
 KINDS = ("fan_in_normal",)
@@ -130,4 +150,93 @@ def init_fan_in_normal_(
     with torch.no_grad():
         for name, tensor in named_tensors:
             stats["initialised" if init_tensor_(name, tensor, seed) else "untouched"] += 1
+    return stats
+
+
+def _full(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The whole logical fp32 tensor ``name`` of ``shape`` (same on every rank)."""
+    t = torch.empty(shape, dtype=torch.float32)
+    init_tensor_(name, t, seed)
+    return t
+
+
+def _load_linear(module: Any, name: str, param: torch.Tensor, seed: int) -> None:
+    in_size = module.input_size
+    sizes = getattr(module, "output_sizes", None)
+    if sizes:  # merged column-parallel: one checkpoint tensor per output
+        for i, size in enumerate(sizes):
+            param.weight_loader(param, _full(f"{name}[{i}]", (size, in_size), seed), i)
+    else:
+        param.weight_loader(param, _full(name, (module.output_size, in_size), seed))
+
+
+def _load_experts(module: Any, name: str, pname: str, param: torch.Tensor, seed: int) -> None:
+    cfg = module.moe_config
+    n_exp, hidden, inter = cfg.num_logical_experts, cfg.hidden_dim, cfg.intermediate_size
+    shards = (("w1", (inter, hidden)), ("w3", (inter, hidden))) if pname == "w13_weight" \
+        else (("w2", (hidden, inter)),)
+    for e in range(n_exp):
+        for shard, shape in shards:
+            param.weight_loader(param, _full(f"{name}[{e}].{shard}", shape, seed), name,
+                                shard_id=shard, expert_id=e, return_success=True)
+
+
+def init_model_(
+    model: torch.nn.Module,
+    *,
+    seed: int,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    num_heads: int | None = None,
+    num_experts: int | None = None,
+) -> dict[str, int]:
+    """Initialise a vLLM model's parameters, identically for every TP size (see above).
+
+    Args:
+        model: the vLLM model (its parallel layers carry ``weight_loader``).
+        seed: the marker's seed.
+        tp_rank, tp_size: this rank's tensor-parallel position.
+        num_heads: total attention heads (``attn_sink`` narrowing); None: no narrowing.
+        num_experts: routed experts (the ``tid2eid`` value range); None: leave it.
+
+    Returns:
+        Counts by outcome: ``loaded`` (through a weight loader), ``initialised``
+        (in place), ``untouched``.
+    """
+    stats = {"loaded": 0, "initialised": 0, "untouched": 0}
+    with torch.no_grad():
+        for mod_name, module in model.named_modules():
+            for pname, param in module.named_parameters(recurse=False):
+                name = f"{mod_name}.{pname}" if mod_name else pname
+                floating = param.dtype.is_floating_point or param.dtype in _FP8_DTYPES
+                loader = getattr(param, "weight_loader", None)
+                if floating and loader is not None and param.dim() == 2 \
+                        and hasattr(module, "input_size") and hasattr(module, "output_size"):
+                    _load_linear(module, name, param, seed)
+                elif floating and loader is not None and hasattr(module, "org_vocab_size"):
+                    param.weight_loader(
+                        param, _full(name, (module.org_vocab_size, module.embedding_dim), seed)
+                    )
+                elif floating and loader is not None and pname in ("w13_weight", "w2_weight") \
+                        and hasattr(module, "moe_config"):
+                    _load_experts(module, name, pname, param, seed)
+                elif pname == "attn_sink" and num_heads is not None and param.dim() == 1:
+                    n_local = num_heads // tp_size
+                    full = _full(name, (num_heads,), seed)
+                    param[:n_local].copy_(full[tp_rank * n_local : (tp_rank + 1) * n_local])
+                    param[n_local:].fill_(-math.inf)  # padded heads, as a checkpoint leaves them
+                    stats["initialised"] += 1
+                    continue
+                elif pname == "tid2eid" and num_experts is not None and not floating:
+                    param.copy_(torch.randint(0, num_experts, tuple(param.shape),
+                                              generator=_generator(seed, name)))
+                    stats["initialised"] += 1
+                    continue
+                elif init_tensor_(name, param, seed):
+                    stats["initialised"] += 1
+                    continue
+                else:
+                    stats["untouched"] += 1
+                    continue
+                stats["loaded"] += 1
     return stats

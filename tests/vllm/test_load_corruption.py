@@ -214,22 +214,23 @@ def served(request, tmp_path_factory) -> Iterator[Target]:
         yield Target(srv.base_url, serve.served_model_name, log, IMPL, policy)
 
 
-def compare_outputs(conc: dict, solo: dict) -> tuple[str, str]:
+def compare_outputs(conc: dict, solo: dict, *, tie_margin: float = TIE_MARGIN,
+                    drift_atol: float = DRIFT_ATOL) -> tuple[str, str]:
     """Verdict for one request served concurrently vs alone: ("same" | "tie" | "bad", why).
 
     Identical token ids -> "same". Diverging ids are accepted ("tie") only at a
     numerical near-tie: at the first differing step each run's token is in the
-    other run's top-N within TIE_MARGIN of its pick. After that the contexts
+    other run's top-N within ``tie_margin`` of its pick. After that the contexts
     differ, so later steps are not compared. Top-1 logprobs of the common
-    prefix must agree within DRIFT_ATOL. Anything else -> "bad".
+    prefix must agree within ``drift_atol``. Anything else -> "bad".
     """
     ids_c, ids_s = conc["token_ids"], solo["token_ids"]
     k = next((i for i, (a, b) in enumerate(zip(ids_c, ids_s)) if a != b), None)
     upto = len(ids_c) if k is None else k
     drift = max((abs(x - y) for x, y in zip(conc["logprobs"][:upto], solo["logprobs"][:upto])),
                 default=0.0)  # fmt: skip
-    if not drift <= DRIFT_ATOL:
-        return "bad", f"top-1 logprob drift {drift:.3f} > {DRIFT_ATOL} before any divergence"
+    if not drift <= drift_atol:
+        return "bad", f"top-1 logprob drift {drift:.3f} > {drift_atol} before any divergence"
     if k is None:
         return "same", f"drift {drift:.3f}"
     a, b = ids_c[k], ids_s[k]
@@ -237,9 +238,9 @@ def compare_outputs(conc: dict, solo: dict) -> tuple[str, str]:
     if b not in top_c or a not in top_s:
         return "bad", f"step {k}: {a} vs {b}, not even in each other's top-{TOP_N}"
     gap = max(top_c[a] - top_c[b], top_s[b] - top_s[a])
-    if gap > TIE_MARGIN:
-        return "bad", f"step {k}: {a} vs {b}, logprob gap {gap:.3f} > {TIE_MARGIN}"
-    return "tie", f"step {k}: {a} vs {b} at a near-tie (gap {gap:.3f})"
+    if gap > tie_margin:
+        return "bad", f"step {k}: {a} vs {b}, logprob gap {gap:.3f} > {tie_margin}"
+    return "tie", f"step {k}: {a} vs {b} at a near-tie (gap {gap:.3f}, drift {drift:.3f})"
 
 
 def test_concurrent_outputs_equal_solo_outputs(served: Target) -> None:

@@ -6,9 +6,11 @@
 (``vllm/model_executor/model_loader/dummy_loader.py``) runs vLLM's own dummy
 initialisation; the wrapper then re-initialises the model's parameters with
 :mod:`vllm_dsv4_backend.dummy_init` when ``model_config.hf_config`` carries the
-marker (and ``VLLM_DSV4_DUMMY_INIT`` is not 0). Models without the marker are
-untouched. Runs before ``process_weights_after_loading``, so CPU weight packing
-(``wo_a``'s ``bmm_cpu`` copy, the MoE repacking) sees the new values.
+marker (and ``VLLM_DSV4_DUMMY_INIT`` is not 0), through the parameters' own
+weight loaders so every tensor-parallel size gets the same model. Models
+without the marker are untouched. Runs before ``process_weights_after_loading``,
+so CPU weight packing (``wo_a``'s ``bmm_cpu`` copy, the MoE repacking) sees the
+new values.
 """
 
 from __future__ import annotations
@@ -45,15 +47,26 @@ def _patch(module: ModuleType, on_applied: Callable[[str], None]) -> None:
         if not envs.VLLM_DSV4_DUMMY_INIT:
             logger.info("%s marker ignored: VLLM_DSV4_DUMMY_INIT=0", dummy_init.MARKER_KEY)
             return
-        stats = dummy_init.init_fan_in_normal_(model.named_parameters(), seed=spec.seed)
-        logger.info(
-            "dummy weights: %s (seed %d) on %d parameters (%d non-float left as loaded)",
-            spec.kind,
-            spec.seed,
-            stats["initialised"],
-            stats["untouched"],
+        from vllm.distributed import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
         )
-        on_applied(f"dummy_init:{spec.kind}:seed={spec.seed}:{stats['initialised']}")
+
+        hf = model_config.hf_config
+        tp_rank = get_tensor_model_parallel_rank()
+        tp_size = get_tensor_model_parallel_world_size()
+        stats = dummy_init.init_model_(
+            model, seed=spec.seed, tp_rank=tp_rank, tp_size=tp_size,
+            num_heads=getattr(hf, "num_attention_heads", None),
+            num_experts=getattr(hf, "n_routed_experts", None),
+        )
+        n = stats["loaded"] + stats["initialised"]
+        logger.info(
+            "dummy weights: %s (seed %d, TP rank %d/%d) on %d parameters (%d through their "
+            "weight loaders; %d non-float left as loaded)",
+            spec.kind, spec.seed, tp_rank, tp_size, n, stats["loaded"], stats["untouched"],
+        )
+        on_applied(f"dummy_init:{spec.kind}:seed={spec.seed}:{n}")
 
     load_weights.__wrapped__ = original  # type: ignore[attr-defined]
     hooks.replace_attr(owner, attr, load_weights)
