@@ -135,14 +135,19 @@ def format_peer(peer: Mapping[str, Any]) -> str:
     else:
         lines.append(f"peer {peer['kernel']}: unavailable ({peer['reason']})")
     head = (f"{'b':>3} {'ctx':>6} {'entries':>7} | {'ours ms':>8} {'tok/s':>8} | "
-            f"{'peer ms':>8} {'tok/s':>8} | {'ours/peer':>9}")
+            f"{'peer ms':>8} {'tok/s':>8} | {'ours/peer':>9} | {'floor ms':>8} {'tok/s':>8} "
+            f"{'ours/floor':>10}")
     lines += [head, "-" * len(head)]
     for r in peer["rows"]:
         lines.append(
             f"{r['batch']:>3} {r['context']:>6} {r['entries']:>7} | {r['ours_ms']:>8.2f} "
             f"{r['ours_tok_per_s']:>8.0f} | {_f(r['peer_ms'], '8.2f'):>8} "
-            f"{_f(r['peer_tok_per_s'], '8.0f'):>8} | {_f(r['ours_over_peer'], '9.2f'):>9}"
+            f"{_f(r['peer_tok_per_s'], '8.0f'):>8} | {_f(r['ours_over_peer'], '9.2f'):>9} | "
+            f"{r['gemm_floor_ms']:>8.2f} {r['gemm_floor_tok_per_s']:>8.0f} "
+            f"{r['ours_over_gemm_floor']:>10.2f}"
         )
+    lines.append("floor = the two fp32 GEMMs of the attention alone (Q K^T, P K) on dequantized "
+                 "rows, same run: what any fp32 path needs here")
     if not peer["available"]:
         q = ", ".join(f"b={k}: {v:.0f}" for k, v in peer["quoted"].items())
         lines.append(f"reference (the issue's figures, another run, same shapes, tok/s per "
@@ -151,7 +156,9 @@ def format_peer(peer: Mapping[str, Any]) -> str:
             lines.append(
                 f"  b={r['batch']:<3} ctx={r['context']}: ours {r['ours_tok_per_s']:.0f} tok/s "
                 f"vs quoted {r['quoted_tok_per_s']:.0f} -> ours/quoted time "
-                f"{r['ours_over_quoted']:.2f}x"
+                f"{r['ours_over_quoted']:.2f}x; fp32 GEMM floor {r['gemm_floor_tok_per_s']:.0f} "
+                f"tok/s -> within 3x of quoted "
+                f"{'reachable' if r['three_x_reachable'] else 'NOT reachable by any fp32 path'}"
             )
         if not peer["quoted_rows"]:
             lines.append("  (no case with the quoted shapes: window 128 + top-k 512 entries at "
@@ -196,6 +203,10 @@ def format_summary(result: Mapping[str, Any]) -> str:
                      f"{v['median']:>11.2f} {v['max']:>10.2f}")
     else:
         lines.append(f"{'attention vs vLLM C++':<44} {'n/a':>22}")
+    if s.get("ours_over_gemm_floor"):
+        v = s["ours_over_gemm_floor"]
+        lines.append(f"{'attention time ours/fp32 GEMM floor (med, max)':<44} "
+                     f"{v['median']:>11.2f} {v['max']:>10.2f}")
     e2e = result.get("e2e")
     if e2e and e2e.get("ratios"):
         for k, v in e2e["ratios"].items():

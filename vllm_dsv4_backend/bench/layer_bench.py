@@ -799,7 +799,27 @@ def _attention_fns(cfg: BenchConfig, case: Case, layer: _Layer, peer: bool
                       layer.entries_per_block, layer.attn_sink, scale)
 
         fns["peer"] = peer_fn
+    fns["gemm_floor"] = _gemm_floor_fn(t, hp, int(case.window_lens.max()) + int(lens.max()), dev)
     return fns, out_ours, out_peer
+
+
+def _gemm_floor_fn(tokens: int, heads: int, entries: int, dev: torch.device
+                   ) -> Callable[[], object]:
+    """The two fp32 GEMMs of sparse decode alone (``S = Q K^T``, ``O = P K``, K = V), on
+    contiguous, already dequantized rows: what any fp32 implementation must compute, at
+    this device's BLAS speed. ``ours / floor`` is the cost of everything else (gather,
+    dequantization, softmax, dispatch)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q = torch.randn(tokens, heads, HEAD_DIM, generator=g).to(dev)
+    k = torch.randn(tokens, entries, HEAD_DIM, generator=g).to(dev)
+    s = torch.empty(tokens, heads, entries, device=dev)
+    o = torch.empty(tokens, heads, HEAD_DIM, device=dev)
+
+    def floor() -> object:
+        torch.bmm(q, k.transpose(1, 2), out=s)
+        return torch.bmm(s, k, out=o)
+
+    return floor
 
 
 def _interleaved_times(fns: Mapping[str, Callable[[], object]], reps: int,
@@ -835,6 +855,9 @@ def peer_row(cfg: BenchConfig, case: Case, peer_ok: bool, reps: int = 5,
         "batch": case.batch, "context": case.context, "entries": entries,
         "ours_ms": t["ours"] * 1e3, "ours_tok_per_s": case.tokens / t["ours"],
         "peer_ms": None, "peer_tok_per_s": None, "ours_over_peer": None, "max_abs_diff": None,
+        "gemm_floor_ms": t["gemm_floor"] * 1e3,
+        "gemm_floor_tok_per_s": case.tokens / t["gemm_floor"],
+        "ours_over_gemm_floor": t["ours"] / t["gemm_floor"],
     }
     if "peer" in t:
         row["peer_ms"] = t["peer"] * 1e3
@@ -1042,6 +1065,10 @@ def _run(cfg: BenchConfig, argv: Sequence[str] | None, progress: ProgressFn | No
                 "batch": b, "context": r["context"], "entries": r["entries"],
                 "ours_tok_per_s": r["ours_tok_per_s"], "quoted_tok_per_s": tok_s,
                 "ours_over_quoted": tok_s / r["ours_tok_per_s"],
+                "gemm_floor_tok_per_s": r["gemm_floor_tok_per_s"],
+                # Any fp32 path here is at best the GEMM floor: within 3x of the quoted
+                # figure is reachable only if the floor itself is.
+                "three_x_reachable": 3 * r["gemm_floor_tok_per_s"] >= tok_s,
             })
     peer = {
         "available": peer_ok, "reason": peer_why, "kernel": f"torch.ops._C.{PEER_OP}",

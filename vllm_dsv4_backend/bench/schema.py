@@ -13,7 +13,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-SCHEMA = "vllm-dsv4-bench/1"
+SCHEMA = "vllm-dsv4-bench/2"
 
 # Stable JSON keys (docs/benchmarks.md documents each one).
 RESULT_KEYS: tuple[str, ...] = (
@@ -44,10 +44,12 @@ COMPARISON_KEYS: tuple[str, ...] = (
 PEER_KEYS: tuple[str, ...] = ("available", "reason", "kernel", "rows", "quoted", "quoted_rows")
 PEER_ROW_KEYS: tuple[str, ...] = (
     "batch", "context", "entries", "ours_ms", "ours_tok_per_s", "peer_ms", "peer_tok_per_s",
-    "ours_over_peer", "max_abs_diff",
+    "ours_over_peer", "max_abs_diff", "gemm_floor_ms", "gemm_floor_tok_per_s",
+    "ours_over_gemm_floor",
 )
 QUOTED_ROW_KEYS: tuple[str, ...] = (
     "batch", "context", "entries", "ours_tok_per_s", "quoted_tok_per_s", "ours_over_quoted",
+    "gemm_floor_tok_per_s", "three_x_reachable",
 )
 
 
@@ -56,7 +58,7 @@ def summarize(records: Sequence[Mapping[str, Any]], comparisons: Sequence[Mappin
     """Headline figures: allocations per policy, shared/off and private/off ratios (median
     over cases of the paired per-step ratios), attention vs the peer."""
     out: dict[str, Any] = {"allocs_per_step": {}, "ratio_vs_off": {}, "ours_over_peer": None,
-                           "ours_over_quoted": None}
+                           "ours_over_quoted": None, "ours_over_gemm_floor": None}
     for p in sorted({r["policy"] for r in records}):
         vals = [r["allocs_per_step"] for r in records if r["policy"] == p]
         out["allocs_per_step"][p] = {"min": min(vals), "max": max(vals)}
@@ -72,6 +74,9 @@ def summarize(records: Sequence[Mapping[str, Any]], comparisons: Sequence[Mappin
     rows = [r["ours_over_peer"] for r in peer.get("rows", []) if r["ours_over_peer"]]
     if rows:
         out["ours_over_peer"] = {"median": statistics.median(rows), "max": max(rows)}
+    f = [r["ours_over_gemm_floor"] for r in peer.get("rows", [])]
+    if f:
+        out["ours_over_gemm_floor"] = {"median": statistics.median(f), "max": max(f)}
     q = [r["ours_over_quoted"] for r in peer.get("quoted_rows", [])]
     if q:
         out["ours_over_quoted"] = {"median": statistics.median(q), "max": max(q)}
