@@ -13,6 +13,8 @@ batch) and tokens/s per layer = batch / time, for
   preallocated ``out`` / ``lse_out`` / ``scratch`` (what the layer does);
 - ``naive``: the straightforward torch formulation (``dequantize_and_gather`` of every index,
   fp32 einsum softmax), to show what the optimised reference buys;
+- ``floor``: the two fp32 GEMMs alone (``Q K^T`` and ``P K`` on contiguous, dequantized
+  rows): the compute any fp32 path needs on this machine's BLAS;
 - ``vllm_cpp``: ``torch.ops._C.flash_mla_with_kvcache_cpu`` when this machine can run it
   (vLLM's AVX512-BF16 library), and the ratio torch time / C++ time, measured in the same run
   with interleaved repetitions.
@@ -96,6 +98,20 @@ def _naive_fn(s: dict) -> Callable[[], object]:
     return run
 
 
+def _floor_fn(s: dict) -> Callable[[], object]:
+    b = s["q"].shape[0]
+    q = s["q"].view(b, H_Q, 512).float()
+    k = torch.randn(b, WINDOW + TOPK, 512)
+    sc = torch.empty(b, H_Q, WINDOW + TOPK)
+    o = torch.empty(b, H_Q, 512)
+
+    def run() -> object:
+        torch.bmm(q, k.transpose(1, 2), out=sc)
+        return torch.bmm(sc, k, out=o)
+
+    return run
+
+
 def _cpp_fn(s: dict) -> Callable[[], object]:
     b = s["q"].shape[0]
     lay_w, lay_c = F.cache_layout(s["swa"]), F.cache_layout(s["comp"])
@@ -155,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for b in args.batch:
         s = _setup(b)
-        fns = {"torch": _torch_fn(s)}
+        fns = {"torch": _torch_fn(s), "floor": _floor_fn(s)}
         if not args.no_naive:
             fns["naive"] = _naive_fn(s)
         if cpp_ok:
@@ -176,6 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
         if cpp_ok:
             row["torch_over_cpp"] = t["torch"][0] / t["vllm_cpp"][0]
             row["torch_over_cpp_cpu"] = t["torch"][1] / t["vllm_cpp"][1]
+        row["torch_over_floor"] = t["torch"][0] / t["floor"][0]
         if "naive" in t:
             row["naive_over_torch"] = t["naive"][0] / t["torch"][0]
             row["naive_over_torch_cpu"] = t["naive"][1] / t["torch"][1]
@@ -195,7 +212,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"sparse MLA decode, DeepSeek-V4-Flash C4 layer: {info['shape']}")
     print(f"torch {info['torch']}, {info['threads']} threads, vLLM C++: {info['vllm_cpp']}, "
           f"1-min load {info['load_avg_1m']:.1f}")
-    hdr = f"{'batch':>5} | {'torch ms':>8} {'cpu ms':>7} {'tok/s':>7} {'tok/cpu-s':>9}"
+    hdr = (f"{'batch':>5} | {'torch ms':>8} {'cpu ms':>7} {'tok/s':>7} {'tok/cpu-s':>9} | "
+           f"{'floor ms':>8} {'tok/s':>7} {'torch/floor':>11}")
     if not args.no_naive:
         hdr += f" | {'naive ms':>8} {'cpu ms':>7} {'naive/torch':>11}"
     hdr += f" | {'C++ ms':>7} {'cpu ms':>7} {'tok/s':>7} {'torch/C++':>9}"
@@ -203,7 +221,9 @@ def main(argv: list[str] | None = None) -> dict:
     print("-" * len(hdr))
     for r in rows:
         line = (f"{r['batch']:>5} | {r['torch_ms']:>8.2f} {r['torch_cpu_ms']:>7.2f} "
-                f"{r['torch_tok_per_s']:>7.0f} {r['torch_tok_per_cpu_s']:>9.0f}")
+                f"{r['torch_tok_per_s']:>7.0f} {r['torch_tok_per_cpu_s']:>9.0f} | "
+                f"{r['floor_ms']:>8.2f} {r['floor_tok_per_s']:>7.0f} "
+                f"{r['torch_over_floor']:>11.2f}")
         if not args.no_naive:
             line += (f" | {r['naive_ms']:>8.2f} {r['naive_cpu_ms']:>7.2f} "
                      f"{r['naive_over_torch']:>11.2f}")
@@ -214,7 +234,8 @@ def main(argv: list[str] | None = None) -> dict:
             line += f" | {'n/a':>7} {'n/a':>7} {'n/a':>7} {'n/a':>9}"
         print(line)
     print("tok/s = batch / wall time per call (decode tokens per second through one layer); "
-          "tok/cpu-s = batch / process CPU time; ratios use wall time.")
+          "tok/cpu-s = batch / process CPU time; ratios use wall time; floor = the two fp32 "
+          "GEMMs alone on dequantized rows (any fp32 path's minimum here).")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(info, f, indent=2)
