@@ -486,10 +486,14 @@ FMA_CASES = [
 
 
 def test_rope_uses_fma_rounding():
+    from vllm_dsv4_backend.ops import rope
+
     bits = torch.tensor(FMA_CASES, dtype=torch.int64).to(torch.int32).view(torch.float32)
     xe, xo, c, s = bits.unbind(1)
     x = torch.stack([xe, xo], dim=-1).reshape(len(FMA_CASES), 1, 2)
-    got = ix._gptj_rope_fma(x, c[:, None, None], s[:, None, None]).reshape(-1, 2)
+    got = x.clone()
+    rope.gptj_rope_fma_(got, c[:, None, None], s[:, None, None])
+    got = got.bfloat16().float().reshape(-1, 2)
     plain = torch.stack([xe * c - xo * s, xo * c + xe * s], dim=-1).bfloat16().float()
     assert not torch.equal(got, plain)  # the cases do discriminate
     for i in range(len(FMA_CASES)):

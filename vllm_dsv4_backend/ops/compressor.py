@@ -56,6 +56,8 @@ import math
 
 import torch
 
+from vllm_dsv4_backend.ops import rope
+
 __all__ = [
     "compress_norm_rope",
     "compress_norm_rope_store_indexer",
@@ -266,17 +268,7 @@ def _compress_rows(
     half = rope_dim // 2
     cs = cos_sin_cache.index_select(0, rope_pos).to(torch.float32)
     cos, sin = cs[:, :half], cs[:, half:]
-    pairs = out_rows[:, d - rope_dim :].unflatten(-1, (half, 2))
-    x_even, x_odd = pairs[..., 0], pairs[..., 1]
-    # vLLM's CPU kernel computes fma(x_even, cos, -(x_odd * sin)) and fma(x_odd, cos, x_even *
-    # sin) (one rounding for the product-sum). float64 reproduces that FMA for fp32 operands (the
-    # product is exact there, the sum is rounded once more to fp32: a double rounding that
-    # differs from the FMA only at exact fp32 midpoints).
-    cos64 = cos.double()
-    new_even = x_even.double().mul_(cos64).sub_((x_odd * sin).double())
-    new_odd = x_odd.double().mul_(cos64).add_((x_even * sin).double())
-    x_even.copy_(new_even)
-    x_odd.copy_(new_odd)
+    rope.gptj_rope_fma_(out_rows[:, d - rope_dim :], cos, sin)
 
 
 def _check_out(out: torch.Tensor | None, rows_needed: int, head_dim: int, device: torch.device,

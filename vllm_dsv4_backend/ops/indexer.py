@@ -29,6 +29,7 @@ import torch
 
 from vllm_dsv4_backend.formats import indexer_cache as ic
 from vllm_dsv4_backend.formats import mxfp4
+from vllm_dsv4_backend.ops import rope
 
 __all__ = [
     "DEFAULT_CHUNK_ELEMS",
@@ -110,31 +111,6 @@ class IndexerQ(NamedTuple):
     q: torch.Tensor
     q_scale: torch.Tensor | None
     weights: torch.Tensor
-
-
-def _gptj_rope_fma(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Interleaved RoPE, bf16-rounded, with the C++ kernel's FMA rounding.
-
-    ``fused_indexer_q_rope_quant_cpu`` computes ``fma(x_e, cos, -(x_o*sin))``
-    and ``fma(x_o, cos, x_e*sin)`` in float32, then rounds to bf16. The fused
-    multiply-add is emulated in float64: the products of float32 operands are
-    exact there and the sum is rounded once more to float32 (a double rounding
-    that can only differ at exact float64 ties, and then only if bf16 rounding
-    does not absorb it).
-
-    Args:
-        x: ``[T, H, R]`` float32, pairs ``(2i, 2i+1)``.
-        cos, sin: ``[T, 1, R/2]`` float32.
-
-    Returns:
-        ``[T, H, R]`` float32 holding bf16-representable values.
-    """
-    pairs = x.unflatten(-1, (-1, 2))
-    xe, xo = pairs[..., 0], pairs[..., 1]
-    c64 = cos.double()
-    re = (xe.double() * c64 - (xo * sin).double()).float()
-    ro = (xo.double() * c64 + (xe * sin).double()).float()
-    return torch.stack([re, ro], dim=-1).flatten(-2).bfloat16().float()
 
 
 def indexer_q_rope_quant(
@@ -240,9 +216,9 @@ def indexer_q_rope_quant(
         x = q[t0:t1].to(torch.float32, copy=True)
         if rot > 0:
             cs = cos_sin_cache.index_select(0, positions[t0:t1].long()).to(torch.float32)
-            x[..., d - rot :] = _gptj_rope_fma(
-                x[..., d - rot :], cs[:, None, :half], cs[:, None, half:]
-            )
+            xr = x[..., d - rot :]
+            rope.gptj_rope_fma_(xr, cs[:, None, :half], cs[:, None, half:])
+            xr.copy_(xr.bfloat16())  # the C++ kernel rounds the rotated q to bf16
         w = weights[t0:t1].to(torch.float32)
         if fp8:
             amax = x.abs().amax(dim=-1)

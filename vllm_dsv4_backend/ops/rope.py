@@ -33,6 +33,25 @@ def gptj_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse
     pairs[..., 1].copy_(xo * cos + xe * s)
 
 
+def gptj_rope_fma_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate ``x`` ``[..., R]`` float32 in place by ``+pos`` with vLLM's CPU kernels' rounding.
+
+    The C++ kernels (compressor store, indexer q quant) compute ``fma(x_e, cos, -(x_o*sin))``
+    and ``fma(x_o, cos, x_e*sin)`` in float32. float64 reproduces that FMA for float32
+    operands: the product is exact there and the sum is rounded once more to float32 (a double
+    rounding that differs from the FMA only at exact float32 midpoints).
+
+    ``cos``/``sin``: float32, broadcastable to ``[..., R/2]``.
+    """
+    pairs = x.unflatten(-1, (-1, 2))
+    xe, xo = pairs[..., 0], pairs[..., 1]
+    c64 = cos.double()
+    new_e = xe.double().mul_(c64).sub_((xo * sin).double())
+    new_o = xo.double().mul_(c64).add_((xe * sin).double())
+    xe.copy_(new_e)
+    xo.copy_(new_o)
+
+
 def qnorm_rope_kv_insert(
     q: torch.Tensor,
     kv: torch.Tensor,
