@@ -41,7 +41,12 @@ Variables:
     When set, every vLLM process that loads the plugin writes
     ``<dir>/<role>-<pid>.json`` (role, pid, what it patched) and updates it as
     patches are applied: the tests' proof that the plugin ran in the API
-    server, engine-core and worker processes.
+    server, engine-core and worker processes. The plugin's layers add
+    ``<dir>/layers/layer-<kind>-<pid>.json`` and the workspace counters
+    ``<dir>/layers/workspace-<pid>.json`` (rewritten after 1, 2, 4, ... forwards).
+``VLLM_DSV4_TEST_UNSAFE_NO_FENCES`` = ``0`` (default) | ``1``
+    Test only: the workspace skips every cross-stream fence (the load test
+    shows what that does; never set it in production).
 """
 
 from __future__ import annotations
@@ -101,6 +106,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_DSV4_SKIP_VERSION_CHECK": _flag("VLLM_DSV4_SKIP_VERSION_CHECK", False),
     "VLLM_DSV4_DUMMY_INIT": _flag("VLLM_DSV4_DUMMY_INIT", True),
     "VLLM_DSV4_MARKER_DIR": _path("VLLM_DSV4_MARKER_DIR"),
+    "VLLM_DSV4_TEST_UNSAFE_NO_FENCES": _flag("VLLM_DSV4_TEST_UNSAFE_NO_FENCES", False),
 }
 
 if False:  # static names for type checkers and IDEs  # noqa: SIM108
@@ -111,6 +117,7 @@ if False:  # static names for type checkers and IDEs  # noqa: SIM108
     VLLM_DSV4_SKIP_VERSION_CHECK: bool = False
     VLLM_DSV4_DUMMY_INIT: bool = True
     VLLM_DSV4_MARKER_DIR: str | None = None
+    VLLM_DSV4_TEST_UNSAFE_NO_FENCES: bool = False
 
 
 def __getattr__(name: str) -> Any:

@@ -104,8 +104,13 @@ def workspace_manager_for(vllm_config: Any, layer: DSV4CPUAttention) -> Workspac
                 # allocated it per layer and step).
                 include_attn_out=True,
             )
+            no_fences = envs.VLLM_DSV4_TEST_UNSAFE_NO_FENCES
+            if no_fences:
+                logger.warning("VLLM_DSV4_TEST_UNSAFE_NO_FENCES=1: the workspace skips its "
+                               "cross-stream fences (test only)")
             manager = WorkspaceManager(
-                config, layers=[], device=vllm_config.device_config.device
+                config, layers=[], device=vllm_config.device_config.device,
+                _unsafe_disable_fences_for_tests=no_fences,
             )
             _managers[key] = manager
         return manager
@@ -135,6 +140,32 @@ def _write_marker(kind: str, layer: DSV4CPUAttention, path: str) -> None:
     }
     with open(os.path.join(marker_dir, f"layer-{kind}-{os.getpid()}.json"), "w") as f:
         json.dump(record, f)
+
+
+_WORKSPACE_MARKER_KEYS = (
+    "policy", "fences_enabled", "num_layers", "reserved_bytes_total", "leases_total",
+    "fence_waits_total", "allocations_total", "peak_leased_bytes",
+)
+_forwards = 0
+
+
+def _write_workspace_marker(manager: WorkspaceManager) -> None:
+    """With VLLM_DSV4_MARKER_DIR set, rewrite this process's workspace counters after
+    1, 2, 4, ... forwards (what the load test reads back: leases, fence waits)."""
+    global _forwards
+    _forwards += 1
+    marker_dir = envs.VLLM_DSV4_MARKER_DIR
+    if marker_dir is None or _forwards & (_forwards - 1):
+        return
+    stats = manager.stats()
+    record = {k: stats[k] for k in _WORKSPACE_MARKER_KEYS}
+    record.update(pid=os.getpid(), forwards=_forwards)
+    marker_dir = os.path.join(marker_dir, "layers")
+    os.makedirs(marker_dir, exist_ok=True)
+    path = os.path.join(marker_dir, f"workspace-{os.getpid()}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)
 
 
 class DSV4Compressor(DeepseekV4CPUCompressor):
@@ -362,6 +393,7 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         finally:
             self._q_lease = None
             lease.release()
+            _write_workspace_marker(self._workspace)
 
     def _fused_qnorm_rope_kv_insert(
         self, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, attn_metadata: Any

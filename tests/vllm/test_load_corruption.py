@@ -9,7 +9,9 @@ prefill and decode traffic as garbled output.
 
 Against the tiny model served by real vLLM with the plugin's attention layer,
 once per workspace policy (``VLLM_DSV4_WORKSPACE=shared|private`` at server
-start; the session's ``tiny_server`` is reused when it has that setup):
+start; the session's ``tiny_server`` is reused when it has that setup) and once
+more as ``shared`` with the test-only fence switch off
+(``VLLM_DSV4_TEST_UNSAFE_NO_FENCES=1``):
 
 1. 64 completions at concurrency 16, prompts of 1..600 tokens (token ids, so
    lengths are exact; log-uniform, see make_requests), 8..16 new tokens each,
@@ -26,6 +28,13 @@ start; the session's ``tiny_server`` is reused when it has that setup):
    request's data in the attention) picks tokens the other run ranks far
    below its choice, or moves logprobs far more; test_compare_outputs_rules
    checks the verdict logic itself.
+4. The worker's workspace counters: leases, no allocations, and zero fence
+   waits. On CPU there is one stream, so the fences never have anything to
+   order and the no-fence run is, by construction, the same execution: the
+   switch is undetectable here and this test shows it (equal outputs, 0
+   waits in both). Fences are shown necessary by the simulated-stream test
+   (tests/core/test_stream_schedule.py: every variant detected without them)
+   and on CUDA by tests/gpu/test_workspace_cuda.py.
 """
 
 from __future__ import annotations
@@ -171,6 +180,7 @@ class Target:
     log: Path
     impl: str
     policy: str
+    marker_dir: Path | None = None
 
     def healthy(self) -> bool:
         try:
@@ -180,9 +190,12 @@ class Target:
             return False
 
 
-@pytest.fixture(scope="module", params=["shared", "private"])
+@pytest.fixture(scope="module", params=["shared", "private", "shared-nofence"])
 def served(request, tmp_path_factory) -> Iterator[Target]:
     """One server per workspace policy (pytest finishes one param before the next).
+
+    ``shared-nofence`` is ``shared`` with the test-only switch that skips the workspace's
+    cross-stream fences (``VLLM_DSV4_TEST_UNSAFE_NO_FENCES=1``).
 
     Runs the plugin's attention layer (where the workspace lives) when the
     plugin ships one, else vLLM's. Reuses the session's ``tiny_server``
@@ -193,25 +206,31 @@ def served(request, tmp_path_factory) -> Iterator[Target]:
     serve = R.load_serve_config(SERVE_CONFIG)
     if serve.model_path is None:
         pytest.skip(f"model {serve.model} is not a local directory")
-    policy = request.param
+    policy, _, variant = request.param.partition("-")
     # conftest's session server: the caller's ATTN_IMPL (default "plugin") and
     # workspace policy (default "shared"); reuse it when that is what we test
     session = (
         os.environ.get("VLLM_DSV4_ATTN_IMPL", "plugin"),
         os.environ.get("VLLM_DSV4_WORKSPACE", "shared"),
     )
-    if "DSV4_TEST_SERVE_CONFIG" not in os.environ and session == (IMPL, policy):
+    if "DSV4_TEST_SERVE_CONFIG" not in os.environ and session == (IMPL, policy) \
+            and not variant and not os.environ.get("VLLM_DSV4_TEST_UNSAFE_NO_FENCES"):
         tiny = request.getfixturevalue("tiny_server")
         if tiny.attn_impl == IMPL:
-            yield Target(tiny.base_url, tiny.model, tiny.log_path, IMPL, policy)
+            yield Target(tiny.base_url, tiny.model, tiny.log_path, IMPL, policy,
+                         tiny.marker_dir)
             return
-    env = R.cpu_env(
-        SCRATCH, {**os.environ, "VLLM_DSV4_ATTN_IMPL": IMPL, "VLLM_DSV4_WORKSPACE": policy}
-    )
-    log = tmp_path_factory.mktemp(f"load_{policy}") / "server.log"
+    run_dir = tmp_path_factory.mktemp(f"load_{request.param}")
+    env = R.cpu_env(SCRATCH, {
+        **os.environ, "VLLM_DSV4_ATTN_IMPL": IMPL, "VLLM_DSV4_WORKSPACE": policy,
+        "VLLM_DSV4_MARKER_DIR": str(run_dir / "markers"),
+        "VLLM_DSV4_TEST_UNSAFE_NO_FENCES": "1" if variant == "nofence" else "0",
+    })  # fmt: skip
+    log = run_dir / "server.log"
     with R.make_server(serve, log_path=log, env=env) as srv:
         srv.wait_healthy(timeout=HEALTH_TIMEOUT)
-        yield Target(srv.base_url, serve.served_model_name, log, IMPL, policy)
+        yield Target(srv.base_url, serve.served_model_name, log, IMPL, request.param,
+                     run_dir / "markers")
 
 
 def compare_outputs(conc: dict, solo: dict, *, tie_margin: float = TIE_MARGIN,
@@ -272,6 +291,27 @@ def test_concurrent_outputs_equal_solo_outputs(served: Target) -> None:
     assert len(verdicts["tie"]) <= MAX_TIES, (
         f"[{policy}] {len(verdicts['tie'])} near-tie divergences (> {MAX_TIES}): {verdicts['tie']}"
     )
+    if srv.impl == "plugin" and srv.marker_dir is not None:
+        _check_workspace_counters(srv, len(reqs))
+
+
+def _check_workspace_counters(srv: Target, n_requests: int) -> None:
+    """The worker's workspace counters (``VLLM_DSV4_MARKER_DIR``): the policy ran, leased
+    without allocating, and on CPU never waited on a fence. One CPU stream means every
+    lease is ordered after the previous user by program order alone (the fence code sees
+    the same stream key and returns before any event), which is why skipping the fences
+    (``shared-nofence``) cannot corrupt anything here: the check that fences matter is the
+    simulated-stream test (tests/core/test_stream_schedule.py) and, on CUDA,
+    tests/gpu/test_workspace_cuda.py."""
+    files = sorted((srv.marker_dir / "layers").glob("workspace-*.json"))
+    assert files, f"no workspace counters under {srv.marker_dir}"
+    rec = json.loads(files[-1].read_text())
+    print(f"[{srv.impl}/{srv.policy}] workspace counters: {rec}")
+    assert rec["policy"] == srv.policy.partition("-")[0]
+    assert rec["fences_enabled"] == (not srv.policy.endswith("-nofence"))
+    assert rec["leases_total"] >= n_requests  # at least one forward per request
+    assert rec["allocations_total"] == 0
+    assert rec["fence_waits_total"] == 0
 
 
 def _out(ids: list[int], lps: list[float], tops: list[dict[int, float]]) -> dict:
