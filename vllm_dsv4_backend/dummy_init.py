@@ -208,35 +208,35 @@ def init_model_(
         for mod_name, module in model.named_modules():
             for pname, param in module.named_parameters(recurse=False):
                 name = f"{mod_name}.{pname}" if mod_name else pname
-                floating = param.dtype.is_floating_point or param.dtype in _FP8_DTYPES
-                loader = getattr(param, "weight_loader", None)
-                if floating and loader is not None and param.dim() == 2 \
-                        and hasattr(module, "input_size") and hasattr(module, "output_size"):
-                    _load_linear(module, name, param, seed)
-                elif floating and loader is not None and hasattr(module, "org_vocab_size"):
-                    param.weight_loader(
-                        param, _full(name, (module.org_vocab_size, module.embedding_dim), seed)
-                    )
-                elif floating and loader is not None and pname in ("w13_weight", "w2_weight") \
-                        and hasattr(module, "moe_config"):
-                    _load_experts(module, name, pname, param, seed)
-                elif pname == "attn_sink" and num_heads is not None and param.dim() == 1:
-                    n_local = num_heads // tp_size
-                    full = _full(name, (num_heads,), seed)
-                    param[:n_local].copy_(full[tp_rank * n_local : (tp_rank + 1) * n_local])
-                    param[n_local:].fill_(-math.inf)  # padded heads, as a checkpoint leaves them
-                    stats["initialised"] += 1
-                    continue
-                elif pname == "tid2eid" and num_experts is not None and not floating:
-                    param.copy_(torch.randint(0, num_experts, tuple(param.shape),
-                                              generator=_generator(seed, name)))
-                    stats["initialised"] += 1
-                    continue
-                elif init_tensor_(name, param, seed):
-                    stats["initialised"] += 1
-                    continue
-                else:
-                    stats["untouched"] += 1
-                    continue
-                stats["loaded"] += 1
+                outcome = _init_param(module, pname, param, name, seed, tp_rank, tp_size,
+                                      num_heads, num_experts)
+                stats[outcome] += 1
     return stats
+
+
+def _init_param(module: Any, pname: str, param: torch.Tensor, name: str, seed: int,
+                tp_rank: int, tp_size: int, num_heads: int | None,
+                num_experts: int | None) -> str:
+    floating = param.dtype.is_floating_point or param.dtype in _FP8_DTYPES
+    if floating and getattr(param, "weight_loader", None) is not None:
+        if param.dim() == 2 and hasattr(module, "input_size") and hasattr(module, "output_size"):
+            _load_linear(module, name, param, seed)
+            return "loaded"
+        if hasattr(module, "org_vocab_size"):
+            full = _full(name, (module.org_vocab_size, module.embedding_dim), seed)
+            param.weight_loader(param, full)
+            return "loaded"
+        if pname in ("w13_weight", "w2_weight") and hasattr(module, "moe_config"):
+            _load_experts(module, name, pname, param, seed)
+            return "loaded"
+    if pname == "attn_sink" and num_heads is not None and param.dim() == 1:
+        n_local = num_heads // tp_size
+        full = _full(name, (num_heads,), seed)
+        param[:n_local].copy_(full[tp_rank * n_local : (tp_rank + 1) * n_local])
+        param[n_local:].fill_(-math.inf)  # padded heads, as a checkpoint leaves them
+        return "initialised"
+    if pname == "tid2eid" and num_experts is not None and not floating:
+        param.copy_(torch.randint(0, num_experts, tuple(param.shape),
+                                  generator=_generator(seed, name)))
+        return "initialised"
+    return "initialised" if init_tensor_(name, param, seed) else "untouched"
