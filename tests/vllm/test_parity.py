@@ -26,6 +26,13 @@ NUM_TOKENS = 32
 # Top-1 logprob tolerance between the two implementations. Both read the same
 # fp8 cache bytes; they differ in bf16 rounding of q/out and summation order.
 LOGPROB_ATOL = 0.05
+# Logits are bf16: near -3.8 one ulp is 2**-6 = 0.0156. The seeded model has exact ties
+# there (measured: tokens 188 and 336 both at -3.7922 after the 300-token prompt in vLLM's
+# layer, which takes the lower id; 0.0156 apart in the plugin's), so a split at a gap of at
+# most one ulp in both runs is rounding, not a difference in attention.
+TIE_GAP = 0.02
+# Top logprobs per step: enough to see the other run's pick at a tie.
+TOP_LOGPROBS = 5
 
 
 def _prompts(vocab: int, index_topk: int) -> list[list[int]]:
@@ -37,21 +44,39 @@ def _prompts(vocab: int, index_topk: int) -> list[list[int]]:
     return [[rng.randrange(16, vocab) for _ in range(n)] for n in lengths]
 
 
-def compare(ref: dict, new: dict, atol: float = LOGPROB_ATOL) -> list[str]:
-    """Differences between two runs: token mismatches, then logprob drift."""
+def compare(ref: dict, new: dict, atol: float = LOGPROB_ATOL,
+            tie_gap: float = TIE_GAP) -> list[str]:
+    """Differences between two runs: logprob drift, then token mismatches.
+
+    Tokens must be identical, except that the runs may part at an exact tie of bf16 logits
+    (each pick in the other's top-k within ``tie_gap`` of its own pick); later steps then
+    have different contexts and are not compared. Top-1 logprobs before that must agree
+    within ``atol``.
+    """
     problems = []
     for i, (a, b) in enumerate(zip(ref["outputs"], new["outputs"])):
-        if a["tokens"][:NUM_TOKENS] != b["tokens"][:NUM_TOKENS]:
-            first = next(
-                k for k, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y
-            )
-            problems.append(f"prompt {i}: tokens differ from step {first}")
-            continue
+        ta, tb = a["tokens"][:NUM_TOKENS], b["tokens"][:NUM_TOKENS]
+        k = next((j for j, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
         worst = 0.0
-        for step_a, step_b, tok in zip(a["logprobs"], b["logprobs"], a["tokens"]):
+        for step_a, step_b, tok in zip(a["logprobs"][:k], b["logprobs"][:k], ta[:k]):
             worst = max(worst, abs(step_a[str(tok)] - step_b[str(tok)]))
         if not worst <= atol or math.isnan(worst):
             problems.append(f"prompt {i}: top-1 logprob differs by {worst:.4f} > {atol}")
+        if k is None:
+            continue
+        x, y = str(ta[k]), str(tb[k])
+        sa, sb = a["logprobs"][k], b["logprobs"][k]
+        if y not in sa or x not in sb:
+            problems.append(f"prompt {i}: tokens differ from step {k} ({x} vs {y}, not in "
+                            "each other's top logprobs)")
+            continue
+        gap = max(sa[x] - sa[y], sb[y] - sb[x])
+        if gap > tie_gap:
+            problems.append(f"prompt {i}: tokens differ from step {k} ({x} vs {y}, logprob "
+                            f"gap {gap:.4f} > {tie_gap})")
+        else:
+            print(f"prompt {i}: runs part at step {k} at a bf16 tie ({x} vs {y}, gap "
+                  f"{gap:.4f})")
     return problems
 
 
@@ -73,7 +98,7 @@ def parity_runs(tmp_path_factory):
         "model": str(MODEL),
         "prompts": _prompts(cfg["vocab_size"], cfg["index_topk"]),
         "max_tokens": NUM_TOKENS,
-        "logprobs": 1,
+        "logprobs": TOP_LOGPROBS,
         "engine": engine,
         "variants": {
             "vllm": {"VLLM_DSV4_ATTN_IMPL": "vllm"},
@@ -109,6 +134,10 @@ def test_plugin_matches_vllm_cpu_attention(parity_runs):
     # logits of vLLM's default dummy weights.
     first = parity_runs["vllm"]["outputs"][0]["logprobs"][0]
     assert max(first.values()) > -5.0
+    # Ties are the exception: most prompts must agree on every token.
+    same = sum(a["tokens"] == b["tokens"] for a, b in
+               zip(parity_runs["vllm"]["outputs"], parity_runs["plugin"]["outputs"]))
+    assert same >= 2, f"only {same} of 3 prompts agree on all {NUM_TOKENS} tokens"
 
 
 def test_negative_control_is_detected(parity_runs):
@@ -116,8 +145,11 @@ def test_negative_control_is_detected(parity_runs):
 
 
 def test_kv_cache_dtype_auto_is_the_fp8_ds_mla_cache(parity_runs):
-    # auto resolves to the same 584 B fp8_ds_mla layout: identical results.
-    assert not compare(parity_runs["plugin"], parity_runs["plugin_kv_auto"], atol=0.0)
+    # auto resolves to the same 584 B fp8_ds_mla layout: the same tokens, and logprobs equal
+    # up to run-to-run noise (1e-4 seen once on a loaded machine; identical when quiet). A
+    # different cache format (bf16 rows) moves them by > 1e-2.
+    assert not compare(parity_runs["plugin"], parity_runs["plugin_kv_auto"], atol=1e-3,
+                       tie_gap=0.0)
 
 
 def test_mxfp4_indexer_cache(parity_runs):
