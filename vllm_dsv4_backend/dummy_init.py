@@ -218,13 +218,17 @@ def _init_param(module: Any, pname: str, param: torch.Tensor, name: str, seed: i
                 tp_rank: int, tp_size: int, num_heads: int | None,
                 num_experts: int | None) -> str:
     floating = param.dtype.is_floating_point or param.dtype in _FP8_DTYPES
-    if floating and getattr(param, "weight_loader", None) is not None:
-        if param.dim() == 2 and hasattr(module, "input_size") and hasattr(module, "output_size"):
-            _load_linear(module, name, param, seed)
-            return "loaded"
-        if hasattr(module, "org_vocab_size"):
+    # Only full-precision weights take the loader path: quantized layouts (packed uint8,
+    # block scales) have other shapes and are left to the in-place rules below.
+    if param.dtype.is_floating_point and getattr(param, "weight_loader", None) is not None:
+        # Embeddings first: they have input_size/output_size too (padded vocab).
+        if pname == "weight" and hasattr(module, "org_vocab_size"):
             full = _full(name, (module.org_vocab_size, module.embedding_dim), seed)
             param.weight_loader(param, full)
+            return "loaded"
+        if pname == "weight" and param.dim() == 2 and hasattr(module, "input_size") \
+                and hasattr(module, "output_size"):
+            _load_linear(module, name, param, seed)
             return "loaded"
         if pname in ("w13_weight", "w2_weight") and hasattr(module, "moe_config"):
             _load_experts(module, name, pname, param, seed)

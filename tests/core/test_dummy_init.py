@@ -62,8 +62,16 @@ class Embed(nn.Module):
     def __init__(self, rank: int, tp: int) -> None:
         super().__init__()
         self.org_vocab_size, self.embedding_dim = 10, 4
+        # vLLM's VocabParallelEmbedding has these too (padded vocab): not a linear layer
+        self.input_size, self.output_size = 4, 64
         self.weight = nn.Parameter(torch.empty(10 // tp, 4), requires_grad=False)
-        self.weight.weight_loader = _col_loader(rank, tp)
+        load = _col_loader(rank, tp)
+
+        def checked(p, w):  # vLLM's loader asserts the unpadded vocab
+            assert w.shape == (self.org_vocab_size, self.embedding_dim), w.shape
+            load(p, w)
+
+        self.weight.weight_loader = checked
 
 
 class Experts(nn.Module):
