@@ -13,7 +13,7 @@ batch) and tokens/s per layer = batch / time, for
   preallocated ``out`` / ``lse_out`` / ``scratch`` (what the layer does);
 - ``naive``: the straightforward torch formulation (``dequantize_and_gather`` of every index,
   fp32 einsum softmax), to show what the optimised reference buys;
-- ``floor``: the two fp32 GEMMs alone (``Q K^T`` and ``P K`` on contiguous, dequantized
+- ``gemm_floor``: the two fp32 GEMMs alone (``Q K^T`` and ``P K`` on contiguous, dequantized
   rows): the compute any fp32 path needs on this machine's BLAS;
 - ``vllm_cpp``: ``torch.ops._C.flash_mla_with_kvcache_cpu`` when this machine can run it
   (vLLM's AVX512-BF16 library), and the ratio torch time / C++ time, measured in the same run
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for b in args.batch:
         s = _setup(b)
-        fns = {"torch": _torch_fn(s), "floor": _floor_fn(s)}
+        fns = {"torch": _torch_fn(s), "gemm_floor": _floor_fn(s)}
         if not args.no_naive:
             fns["naive"] = _naive_fn(s)
         if cpp_ok:
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
         if cpp_ok:
             row["torch_over_cpp"] = t["torch"][0] / t["vllm_cpp"][0]
             row["torch_over_cpp_cpu"] = t["torch"][1] / t["vllm_cpp"][1]
-        row["torch_over_floor"] = t["torch"][0] / t["floor"][0]
+        row["torch_over_gemm_floor"] = t["torch"][0] / t["gemm_floor"][0]
         if "naive" in t:
             row["naive_over_torch"] = t["naive"][0] / t["torch"][0]
             row["naive_over_torch_cpu"] = t["naive"][1] / t["torch"][1]
@@ -222,8 +222,8 @@ def main(argv: list[str] | None = None) -> dict:
     for r in rows:
         line = (f"{r['batch']:>5} | {r['torch_ms']:>8.2f} {r['torch_cpu_ms']:>7.2f} "
                 f"{r['torch_tok_per_s']:>7.0f} {r['torch_tok_per_cpu_s']:>9.0f} | "
-                f"{r['floor_ms']:>8.2f} {r['floor_tok_per_s']:>7.0f} "
-                f"{r['torch_over_floor']:>11.2f}")
+                f"{r['gemm_floor_ms']:>8.2f} {r['gemm_floor_tok_per_s']:>7.0f} "
+                f"{r['torch_over_gemm_floor']:>11.2f}")
         if not args.no_naive:
             line += (f" | {r['naive_ms']:>8.2f} {r['naive_cpu_ms']:>7.2f} "
                      f"{r['naive_over_torch']:>11.2f}")
