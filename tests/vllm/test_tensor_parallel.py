@@ -69,9 +69,9 @@ N_REQUESTS = 16
 PARITY_ATOL = 0.05  # as tests/vllm/test_parity.py: same model, same rounding
 MAX_TIES = N_REQUESTS * 3 // 4  # measured 11 of 16
 # Teacher-forced TP 1 vs TP 2 |logprob| differences over 1874 positions, measured: p50
-# 0.022, p90 0.14, p99 0.44, max 1.05. The median is rounding-sized; the tail is where a
-# rounding difference flips a near-tie (MoE top-6 routing of 64 experts, bf16 logits). A
-# different model moves the median itself to ~1 nat.
+# 0.022, p90 0.14, p99 0.44, max 1.05. The median is rounding-sized; the tail is probably
+# rounding flipping near-ties upstream (MoE top-6 routing over 64 experts), not measured
+# separately. A different model moves the median itself to ~1 nat.
 FORCED_P50 = 0.05
 FORCED_P99 = 0.75
 
