@@ -43,7 +43,7 @@ Variables:
     patches are applied: the tests' proof that the plugin ran in the API
     server, engine-core and worker processes. The plugin's layers add
     ``<dir>/layers/layer-<kind>-<pid>.json`` and the workspace counters
-    ``<dir>/layers/workspace-<pid>.json`` (rewritten after 1, 2, 4, ... forwards).
+    ``<dir>/layers/workspace-<pid>.json`` (rewritten after every layer forward).
 ``VLLM_DSV4_TEST_UNSAFE_NO_FENCES`` = ``0`` (default) | ``1``
     Test only: the workspace skips every cross-stream fence (the load test
     shows what that does; never set it in production).

@@ -150,12 +150,12 @@ _forwards = 0
 
 
 def _write_workspace_marker(manager: WorkspaceManager) -> None:
-    """With VLLM_DSV4_MARKER_DIR set, rewrite this process's workspace counters after
-    1, 2, 4, ... forwards (what the load test reads back: leases, fence waits)."""
+    """With VLLM_DSV4_MARKER_DIR set (tests), rewrite this process's workspace counters after
+    every layer forward (the load test reads them before and after its traffic)."""
     global _forwards
     _forwards += 1
     marker_dir = envs.VLLM_DSV4_MARKER_DIR
-    if marker_dir is None or _forwards & (_forwards - 1):
+    if marker_dir is None:
         return
     stats = manager.stats()
     record = {k: stats[k] for k in _WORKSPACE_MARKER_KEYS}

@@ -213,8 +213,9 @@ def served(request, tmp_path_factory) -> Iterator[Target]:
         os.environ.get("VLLM_DSV4_ATTN_IMPL", "plugin"),
         os.environ.get("VLLM_DSV4_WORKSPACE", "shared"),
     )
+    no_fences = os.environ.get("VLLM_DSV4_TEST_UNSAFE_NO_FENCES", "0") not in ("", "0")
     if "DSV4_TEST_SERVE_CONFIG" not in os.environ and session == (IMPL, policy) \
-            and not variant and not os.environ.get("VLLM_DSV4_TEST_UNSAFE_NO_FENCES"):
+            and not variant and not no_fences:
         tiny = request.getfixturevalue("tiny_server")
         if tiny.attn_impl == IMPL:
             yield Target(tiny.base_url, tiny.model, tiny.log_path, IMPL, policy,
@@ -266,8 +267,10 @@ def test_concurrent_outputs_equal_solo_outputs(served: Target) -> None:
     srv, policy = served, f"{served.impl}/{served.policy}"
     reqs = make_requests(R.load_serve_config(SERVE_CONFIG).model_path)
 
+    before = _workspace_counters(srv, required=False)
     conc = asyncio.run(_run_all(srv.base_url, srv.model, reqs, CONCURRENCY))
     solo = asyncio.run(_run_all(srv.base_url, srv.model, reqs, 1))
+    after = _workspace_counters(srv, required=True)
 
     # the raw outputs next to the server log, for diagnosing a failure
     dump = srv.log.parent / f"load-{served.impl}-{served.policy}.json"
@@ -291,27 +294,43 @@ def test_concurrent_outputs_equal_solo_outputs(served: Target) -> None:
     assert len(verdicts["tie"]) <= MAX_TIES, (
         f"[{policy}] {len(verdicts['tie'])} near-tie divergences (> {MAX_TIES}): {verdicts['tie']}"
     )
-    if srv.impl == "plugin" and srv.marker_dir is not None:
-        _check_workspace_counters(srv, len(reqs))
+    if after is not None:
+        _check_workspace_counters(srv, before, after, sum(r["max_tokens"] for r in reqs))
 
 
-def _check_workspace_counters(srv: Target, n_requests: int) -> None:
-    """The worker's workspace counters (``VLLM_DSV4_MARKER_DIR``): the policy ran, leased
-    without allocating, and on CPU never waited on a fence. One CPU stream means every
-    lease is ordered after the previous user by program order alone (the fence code sees
-    the same stream key and returns before any event), which is why skipping the fences
-    (``shared-nofence``) cannot corrupt anything here: the check that fences matter is the
-    simulated-stream test (tests/core/test_stream_schedule.py) and, on CUDA,
-    tests/gpu/test_workspace_cuda.py."""
+def _workspace_counters(srv: Target, required: bool) -> dict | None:
+    """The worker's workspace counters (``VLLM_DSV4_MARKER_DIR``, rewritten by the plugin's
+    layer after every forward); None for vLLM's layer, without a marker dir, or (when not
+    ``required``) before the first forward."""
+    if srv.impl != "plugin" or srv.marker_dir is None:
+        return None
     files = sorted((srv.marker_dir / "layers").glob("workspace-*.json"))
-    assert files, f"no workspace counters under {srv.marker_dir}"
-    rec = json.loads(files[-1].read_text())
-    print(f"[{srv.impl}/{srv.policy}] workspace counters: {rec}")
-    assert rec["policy"] == srv.policy.partition("-")[0]
-    assert rec["fences_enabled"] == (not srv.policy.endswith("-nofence"))
-    assert rec["leases_total"] >= n_requests  # at least one forward per request
-    assert rec["allocations_total"] == 0
-    assert rec["fence_waits_total"] == 0
+    if not files and not required:
+        return None
+    assert len(files) == 1, f"expected one worker's counters under {srv.marker_dir}: {files}"
+    return json.loads(files[0].read_text())
+
+
+def _check_workspace_counters(srv: Target, before: dict | None, after: dict,
+                              new_tokens: int) -> None:
+    """What the load did to the workspace: the policy ran and leased for every step, the
+    manager allocated nothing after load (``allocations_total`` counts the tensors the
+    manager itself creates after ``reserve()``; only ``off`` does), and no lease waited on a
+    fence. The last is what makes the no-fence run indistinguishable on CPU: one stream, so
+    every lease is already ordered after its previous user by program order (the fence code
+    sees the same stream key and returns before recording any event). That fences matter
+    across streams is shown by tests/core/test_stream_schedule.py (simulated streams, every
+    variant corrupt without them) and tests/gpu/test_workspace_cuda.py (CUDA)."""
+    before = before or {"leases_total": 0, "fence_waits_total": 0, "allocations_total": 0}
+    delta = {k: after[k] - before[k]
+             for k in ("leases_total", "fence_waits_total", "allocations_total")}
+    print(f"[{srv.impl}/{srv.policy}] workspace counters during the load: {delta}; {after}")
+    assert after["policy"] == srv.policy.partition("-")[0]
+    assert after["fences_enabled"] == (not srv.policy.endswith("-nofence"))
+    # alone, every generated token is one forward of each layer, each leasing its q/out
+    assert delta["leases_total"] >= new_tokens * after["num_layers"]
+    assert delta["allocations_total"] == 0
+    assert delta["fence_waits_total"] == 0
 
 
 def _out(ids: list[int], lps: list[float], tops: list[dict[int, float]]) -> dict:
