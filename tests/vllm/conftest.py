@@ -31,6 +31,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from _helpers import healthy  # noqa: E402  (tests/vllm is on sys.path)
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / "configs" / "tiny-dsv4"
 SERVED_NAME = "tiny-dsv4"
@@ -109,14 +111,6 @@ def server_command(port: int) -> list[str]:
     ]  # fmt: skip
 
 
-def _health(base_url: str) -> bool:
-    try:
-        with urllib.request.urlopen(base_url + "/health", timeout=5) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 @pytest.fixture(scope="session")
 def tiny_server():
     """Start ``vllm serve configs/tiny-dsv4`` once per session; yield :class:`TinyServer`."""
@@ -154,7 +148,7 @@ def tiny_server():
                     f"vllm serve exited with code {proc.returncode} before /health "
                     f"answered; log {log_path}:\n{_tail(log_path)}"
                 )
-            if _health(base_url):
+            if healthy(base_url, timeout=5):
                 break
             if time.monotonic() - t0 > timeout:
                 pytest.fail(

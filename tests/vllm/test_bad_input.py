@@ -30,6 +30,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from _helpers import healthy, local_serve_config  # noqa: E402  (tests/vllm is on sys.path)
+
 from vllm_dsv4_backend import runner as R  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
@@ -81,8 +83,7 @@ STARTUP_CASES = {
 @pytest.fixture(scope="module")
 def startup_runs() -> dict[str, subprocess.CompletedProcess[str]]:
     """All bad-startup commands at once (each is an interpreter start + vLLM import)."""
-    if not SERVE_CONFIG.is_file():
-        pytest.skip(f"serve config {SERVE_CONFIG} missing")
+    local_serve_config(SERVE_CONFIG)
     with ThreadPoolExecutor(len(STARTUP_CASES)) as pool:
         futs = {k: pool.submit(_serve_with, "--attention-config", v[0])
                 for k, v in STARTUP_CASES.items()}  # fmt: skip
@@ -149,11 +150,7 @@ class Target:
     max_model_len: int
 
     def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.base_url + "/health", timeout=10) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        return healthy(self.base_url)
 
 
 @pytest.fixture(scope="module")

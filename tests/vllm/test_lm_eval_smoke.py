@@ -22,7 +22,6 @@ while developing); the attention switch then only matters for DeepSeek-V4.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -33,6 +32,8 @@ import pytest
 
 pytest.importorskip("vllm")
 pytest.importorskip("lm_eval")
+
+from _helpers import local_serve_config  # noqa: E402  (tests/vllm is on sys.path)
 
 from vllm_dsv4_backend import runner as R  # noqa: E402
 
@@ -50,11 +51,6 @@ N_DOCS = {"dsv4_smoke_arith": 16, "dsv4_smoke_choice": 16}
 # the same fp8 KV bytes; bf16 rounding and summation order differ.
 LOGLIK_ATOL = 0.1
 HEALTH_TIMEOUT = float(os.environ.get("DSV4_TEST_HEALTH_TIMEOUT", 600))
-# VLLM_DSV4_ATTN_IMPL=plugin refuses to start until the plugin ships its layer
-# module (vllm_compat.attention.LAYER_MODULE); until then only vLLM's path runs.
-PLUGIN_LAYER = importlib.util.find_spec("vllm_dsv4_backend.layer") is not None
-AVAILABLE = tuple(i for i in IMPLS if i != "plugin" or PLUGIN_LAYER)
-NO_PLUGIN = "the plugin's attention layer (vllm_dsv4_backend.layer) does not exist yet"
 
 
 def predicted_session_impl() -> str | None:
@@ -74,11 +70,7 @@ def runs(request, tmp_path_factory) -> Iterator[dict[str, Path]]:
     starts a server only for the other (overlapping the two starts) and stops
     it at the end of the module.
     """
-    if not SERVE_CONFIG.is_file():
-        pytest.skip(f"serve config {SERVE_CONFIG} missing")
-    serve = R.load_serve_config(SERVE_CONFIG)
-    if serve.model_path is None and not Path(serve.model).exists():
-        pytest.skip(f"model {serve.model} not available locally")
+    serve = local_serve_config(SERVE_CONFIG)
     base = tmp_path_factory.mktemp("lm_eval_smoke")
     predicted = predicted_session_impl()
     own: dict[str, R.ServerProcess] = {}
@@ -88,16 +80,16 @@ def runs(request, tmp_path_factory) -> Iterator[dict[str, Path]]:
         own[impl] = R.make_server(serve, log_path=base / impl / "server.log", env=env).start()
 
     try:
-        for impl in AVAILABLE:
+        for impl in IMPLS:
             if impl != predicted:
                 start(impl)
         urls = {}
         if predicted is not None:
             tiny = request.getfixturevalue("tiny_server")
             assert tiny.model == serve.served_model_name
-            if tiny.attn_impl in AVAILABLE and tiny.attn_impl not in own:
+            if tiny.attn_impl in IMPLS and tiny.attn_impl not in own:
                 urls[tiny.attn_impl] = tiny.base_url
-        for impl in AVAILABLE:  # whatever the session server did not cover
+        for impl in IMPLS:  # whatever the session server did not cover
             if impl not in urls and impl not in own:
                 start(impl)
         for impl, srv in own.items():
@@ -139,8 +131,6 @@ def _logliks(row: dict) -> list[float]:
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_harness_scores_every_sample(runs, impl: str) -> None:
-    if impl not in runs:
-        pytest.skip(NO_PLUGIN)
     s = _summary(runs[impl])
     for task, n in N_DOCS.items():
         assert s["n-samples"][task] == {"original": n, "effective": n}
@@ -171,8 +161,6 @@ def test_harness_scores_every_sample(runs, impl: str) -> None:
 
 def test_scores_equal_vllm_attention(runs) -> None:
     """The tiny-smoke gates: plugin scores == vLLM-attention scores, exactly."""
-    if "plugin" not in runs:
-        pytest.skip(NO_PLUGIN)
     ev = R.load_eval_config(EVAL_CONFIG)
     plugin, ref = _summary(runs["plugin"]), _summary(runs["vllm"])
     rows = R.gate_eval(ev, plugin["results"], ref, "vllm attention run")
@@ -190,8 +178,6 @@ def test_scores_equal_vllm_attention(runs) -> None:
 
 def test_per_sample_outputs_match_vllm_attention(runs) -> None:
     """Same generation for every doc; every choice's loglikelihood within LOGLIK_ATOL."""
-    if "plugin" not in runs:
-        pytest.skip(NO_PLUGIN)
     gen_p, gen_v = (_samples(runs[i], "dsv4_smoke_arith") for i in IMPLS)
     assert [(r["filter"], r["doc_id"]) for r in gen_p] == [
         (r["filter"], r["doc_id"]) for r in gen_v

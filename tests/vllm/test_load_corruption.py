@@ -40,13 +40,10 @@ more as ``shared`` with the test-only fence switch off
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import math
 import os
 import random
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +52,8 @@ import pytest
 
 pytest.importorskip("vllm")
 aiohttp = pytest.importorskip("aiohttp")
+
+from _helpers import healthy, local_serve_config  # noqa: E402  (tests/vllm is on sys.path)
 
 from vllm_dsv4_backend import runner as R  # noqa: E402
 
@@ -87,8 +86,8 @@ TOP_N = 20  # logprobs per step (vLLM's default max_logprobs)
 TIE_MARGIN = 1.0  # a divergence is a tie if each pick is this close in the other run
 DRIFT_ATOL = 1.0  # top-1 logprob agreement before any divergence
 MAX_TIES = N_REQUESTS * 3 // 8  # ties beyond this are not rounding any more
-# The workspace manager belongs to the plugin's layer; without it, vLLM's.
-IMPL = "plugin" if importlib.util.find_spec("vllm_dsv4_backend.layer") else "vllm"
+# The workspace manager belongs to the plugin's layer.
+IMPL = "plugin"
 
 
 def _allowed_token_ids(model_dir: Path, vocab_size: int) -> list[int]:
@@ -183,11 +182,7 @@ class Target:
     marker_dir: Path | None = None
 
     def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.base_url + "/health", timeout=10) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        return healthy(self.base_url)
 
 
 @pytest.fixture(scope="module", params=["shared", "private", "shared-nofence"])
@@ -197,15 +192,11 @@ def served(request, tmp_path_factory) -> Iterator[Target]:
     ``shared-nofence`` is ``shared`` with the test-only switch that skips the workspace's
     cross-stream fences (``VLLM_DSV4_TEST_UNSAFE_NO_FENCES=1``).
 
-    Runs the plugin's attention layer (where the workspace lives) when the
-    plugin ships one, else vLLM's. Reuses the session's ``tiny_server``
+    Runs the plugin's attention layer (where the workspace lives). Reuses the session's
+    ``tiny_server``
     (tests/vllm/conftest.py) when it already has that layer and policy.
     """
-    if not SERVE_CONFIG.is_file():
-        pytest.skip(f"serve config {SERVE_CONFIG} missing")
-    serve = R.load_serve_config(SERVE_CONFIG)
-    if serve.model_path is None:
-        pytest.skip(f"model {serve.model} is not a local directory")
+    serve = local_serve_config(SERVE_CONFIG)
     policy, _, variant = request.param.partition("-")
     # conftest's session server: the caller's ATTN_IMPL (default "plugin") and
     # workspace policy (default "shared"); reuse it when that is what we test
@@ -294,16 +285,13 @@ def test_concurrent_outputs_equal_solo_outputs(served: Target) -> None:
     assert len(verdicts["tie"]) <= MAX_TIES, (
         f"[{policy}] {len(verdicts['tie'])} near-tie divergences (> {MAX_TIES}): {verdicts['tie']}"
     )
-    if after is not None:
-        _check_workspace_counters(srv, before, after, sum(r["max_tokens"] for r in reqs))
+    _check_workspace_counters(srv, before, after, sum(r["max_tokens"] for r in reqs))
 
 
 def _workspace_counters(srv: Target, required: bool) -> dict | None:
     """The worker's workspace counters (``VLLM_DSV4_MARKER_DIR``, rewritten by the plugin's
-    layer after every forward); None for vLLM's layer, without a marker dir, or (when not
-    ``required``) before the first forward."""
-    if srv.impl != "plugin" or srv.marker_dir is None:
-        return None
+    layer after every forward); None before the first forward unless ``required``."""
+    assert srv.marker_dir is not None, "the load servers always get a marker dir"
     files = sorted((srv.marker_dir / "layers").glob("workspace-*.json"))
     if not files and not required:
         return None
@@ -362,9 +350,7 @@ def test_compare_outputs_rules() -> None:
 
 def test_request_set_is_what_the_doc_says() -> None:
     """The load really spans 1..600-token prompts and 8..16 new tokens, deterministically."""
-    model_dir = R.load_serve_config(SERVE_CONFIG).model_path if SERVE_CONFIG.is_file() else None
-    if model_dir is None:
-        pytest.skip("no local model")
+    model_dir = local_serve_config(SERVE_CONFIG).model_path
     reqs = make_requests(model_dir)
     lens = [len(r["prompt"]) for r in reqs]
     assert len(reqs) == N_REQUESTS and min(lens) == 1 and max(lens) == MAX_PROMPT
