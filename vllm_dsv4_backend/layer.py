@@ -149,14 +149,12 @@ _WORKSPACE_MARKER_KEYS = (
 _forwards = 0
 
 
-def _write_workspace_marker(manager: WorkspaceManager) -> None:
-    """With VLLM_DSV4_MARKER_DIR set (tests), rewrite this process's workspace counters after
-    every layer forward (the load test reads them before and after its traffic)."""
+def _write_workspace_marker(manager: WorkspaceManager, marker_dir: str) -> None:
+    """Rewrite this process's workspace counters under VLLM_DSV4_MARKER_DIR (tests only;
+    called after every layer forward, the load test reads them before and after its
+    traffic)."""
     global _forwards
     _forwards += 1
-    marker_dir = envs.VLLM_DSV4_MARKER_DIR
-    if marker_dir is None:
-        return
     stats = manager.stats()
     record = {k: stats[k] for k in _WORKSPACE_MARKER_KEYS}
     record.update(pid=os.getpid(), forwards=_forwards)
@@ -317,6 +315,8 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         self._minus_one = torch.tensor(-1, dtype=torch.int32,
                                        device=vllm_config.device_config.device)
         self._kernel_path: str | None = None
+        # Read once: the per-forward counters file exists only for tests.
+        self._marker_dir = envs.VLLM_DSV4_MARKER_DIR
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         super().process_weights_after_loading(act_dtype)
@@ -393,7 +393,8 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         finally:
             self._q_lease = None
             lease.release()
-            _write_workspace_marker(self._workspace)
+            if self._marker_dir is not None:
+                _write_workspace_marker(self._workspace, self._marker_dir)
 
     def _fused_qnorm_rope_kv_insert(
         self, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, attn_metadata: Any

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from vllm_dsv4_backend import eager, ops
+from vllm_dsv4_backend.bench.kernels import gemm_floor_fn
 from vllm_dsv4_backend.bench.schema import PHASES, SCHEMA, summarize
 from vllm_dsv4_backend.formats import fp8_ds_mla
 from vllm_dsv4_backend.formats import indexer_cache as ic
@@ -799,27 +800,8 @@ def _attention_fns(cfg: BenchConfig, case: Case, layer: _Layer, peer: bool
                       layer.entries_per_block, layer.attn_sink, scale)
 
         fns["peer"] = peer_fn
-    fns["gemm_floor"] = _gemm_floor_fn(t, hp, int(case.window_lens.max()) + int(lens.max()), dev)
+    fns["gemm_floor"] = gemm_floor_fn(t, hp, int(case.window_lens.max()) + int(lens.max()), dev)
     return fns, out_ours, out_peer
-
-
-def _gemm_floor_fn(tokens: int, heads: int, entries: int, dev: torch.device
-                   ) -> Callable[[], object]:
-    """The two fp32 GEMMs of sparse decode alone (``S = Q K^T``, ``O = P K``, K = V), on
-    contiguous, already dequantized rows: what any fp32 implementation must compute, at
-    this device's BLAS speed. ``ours / floor`` is the cost of everything else (gather,
-    dequantization, softmax, dispatch)."""
-    g = torch.Generator(device="cpu").manual_seed(0)
-    q = torch.randn(tokens, heads, HEAD_DIM, generator=g).to(dev)
-    k = torch.randn(tokens, entries, HEAD_DIM, generator=g).to(dev)
-    s = torch.empty(tokens, heads, entries, device=dev)
-    o = torch.empty(tokens, heads, HEAD_DIM, device=dev)
-
-    def floor() -> object:
-        torch.bmm(q, k.transpose(1, 2), out=s)
-        return torch.bmm(s, k, out=o)
-
-    return floor
 
 
 def _interleaved_times(fns: Mapping[str, Callable[[], object]], reps: int,
