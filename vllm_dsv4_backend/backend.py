@@ -44,6 +44,7 @@ from vllm.v1.attention.backends.mla.sparse_swa import (
 )
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
+from vllm_dsv4_backend.formats import constants
 from vllm_dsv4_backend.ops import slots as slot_ops
 
 logger = init_logger(__name__)
@@ -53,10 +54,10 @@ logger = init_logger(__name__)
 # and caps them with topk_length. We do the same so both kernel paths see the
 # same shapes.
 TOPK_ALIGNMENT = 128
-SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_ds_mla")
-SUPPORTED_INDEXER_KV_DTYPES = ("fp8", "mxfp4")
+SUPPORTED_KV_CACHE_DTYPES = constants.KV_CACHE_DTYPES
+SUPPORTED_INDEXER_KV_DTYPES = constants.INDEXER_KV_DTYPES
 SUPPORTED_HEAD_SIZES = (512,)
-KERNEL_BLOCK_SIZE = 256
+KERNEL_BLOCK_SIZE = constants.KERNEL_BLOCK_SIZE
 
 
 def _round_up(x: int, m: int) -> int:

@@ -10,11 +10,72 @@ nothing here allocates a buffer that outlives the call.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from vllm_dsv4_backend import ops
 from vllm_dsv4_backend.formats.fp8_ds_mla import BYTES_PER_TOKEN as ENTRY_BYTES
 from vllm_dsv4_backend.ops import indexer as indexer_ops
+
+
+class Step:
+    """One layer's eager step: the leases it takes, released together.
+
+    Built per layer and forward (workspace, layer name, token count,
+    micro-batch); the layer's hooks call :meth:`lease` for a family when they
+    first need it, and leaving the ``with`` block releases every lease still
+    held, whether the step returned or raised, so an exception inside the
+    indexer cannot leave a slot "still leased" for the next step.
+    :meth:`release` hands a family back early (after its last consumer),
+    which lets another layer's producer take the slot sooner.
+    """
+
+    __slots__ = ("workspace", "layer_name", "num_tokens", "ubatch", "_leases")
+
+    def __init__(self, workspace: Any, layer_name: str, num_tokens: int, ubatch: int = 0) -> None:
+        self.workspace = workspace
+        self.layer_name = layer_name
+        self.num_tokens = num_tokens
+        self.ubatch = ubatch
+        self._leases: dict[str, Any] = {}
+
+    def lease(self, family: str) -> Any:
+        """The step's lease of ``family`` (taken on first use, then reused)."""
+        lease = self._leases.get(family)
+        if lease is None:
+            lease = self.workspace.lease(self.layer_name, family, self.num_tokens,
+                                         ubatch=self.ubatch)
+            self._leases[family] = lease
+        return lease
+
+    def held(self) -> tuple[str, ...]:
+        """Families leased and not yet released."""
+        return tuple(self._leases)
+
+    def release(self, family: str) -> None:
+        lease = self._leases.pop(family, None)
+        if lease is not None:
+            lease.release()
+
+    def close(self) -> None:
+        # Release in reverse order of taking; keep going if one release fails
+        # so no slot stays held, then re-raise the first error.
+        first: BaseException | None = None
+        while self._leases:
+            _, lease = self._leases.popitem()
+            try:
+                lease.release()
+            except BaseException as e:  # noqa: BLE001
+                first = first or e
+        if first is not None:
+            raise first
+
+    def __enter__(self) -> Step:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def block_view(cache: torch.Tensor, block_size: int) -> torch.Tensor:

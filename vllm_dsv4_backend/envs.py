@@ -47,6 +47,9 @@ Variables:
 ``VLLM_DSV4_TEST_UNSAFE_NO_FENCES`` = ``0`` (default) | ``1``
     Test only: the workspace skips every cross-stream fence (the load test
     shows what that does; never set it in production).
+``VLLM_DSV4_TEST_PERTURB_SINK`` = a float (default unset)
+    Test only: add this to layer 0's attention sink after loading (the
+    parity test's negative control).
 """
 
 from __future__ import annotations
@@ -88,6 +91,19 @@ def _flag(name: str, default: bool) -> Callable[[], bool]:
     return read
 
 
+def _float(name: str) -> Callable[[], float | None]:
+    def read() -> float | None:
+        raw = os.environ.get(name, "").strip()
+        if not raw:
+            return None
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"{name}: expected a float, got {raw!r}") from None
+
+    return read
+
+
 def _path(name: str) -> Callable[[], str | None]:
     def read() -> str | None:
         value = os.environ.get(name, "").strip()
@@ -107,6 +123,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_DSV4_DUMMY_INIT": _flag("VLLM_DSV4_DUMMY_INIT", True),
     "VLLM_DSV4_MARKER_DIR": _path("VLLM_DSV4_MARKER_DIR"),
     "VLLM_DSV4_TEST_UNSAFE_NO_FENCES": _flag("VLLM_DSV4_TEST_UNSAFE_NO_FENCES", False),
+    "VLLM_DSV4_TEST_PERTURB_SINK": _float("VLLM_DSV4_TEST_PERTURB_SINK"),
 }
 
 if False:  # static names for type checkers and IDEs  # noqa: SIM108
@@ -118,6 +135,7 @@ if False:  # static names for type checkers and IDEs  # noqa: SIM108
     VLLM_DSV4_DUMMY_INIT: bool = True
     VLLM_DSV4_MARKER_DIR: str | None = None
     VLLM_DSV4_TEST_UNSAFE_NO_FENCES: bool = False
+    VLLM_DSV4_TEST_PERTURB_SINK: float | None = None
 
 
 def __getattr__(name: str) -> Any:

@@ -10,6 +10,7 @@ torch kernels forced (``VLLM_DSV4_ATTN_IMPL=plugin VLLM_DSV4_KERNEL=torch``).
 
 Usage: python parity_worker.py SPEC.json OUT.json
 SPEC: {"model": dir, "prompts": [[ids...]], "max_tokens": n, "logprobs": k,
+       "one_at_a_time": bool (optional: one request per generate()),
        "engine": {...LLM kwargs...},
        "variants": {name: {env} | {"env": {...}, "engine": {...LLM kwarg overrides}}}}
 """
@@ -53,7 +54,14 @@ def main() -> None:
         )
         prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, sp, use_tqdm=False)
+        if spec.get("one_at_a_time"):
+            # The engine core runs in another process and may start a step before
+            # every request of a batch has arrived, so batch composition (and with
+            # it the GEMM/MoE rounding, which is not batch invariant) can change
+            # from run to run. One request per generate() is the same every run.
+            outs = [o for p in prompts for o in llm.generate([p], sp, use_tqdm=False)]
+        else:
+            outs = llm.generate(prompts, sp, use_tqdm=False)
         gen_s = time.perf_counter() - t0
         rows = []
         for o in outs:

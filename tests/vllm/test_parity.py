@@ -1,12 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Greedy parity: the plugin's attention layer (torch kernels forced) vs vLLM's
-own DeepSeek-V4 CPU attention (its C++ kernels), same tiny model, same seeded
-weights. Prompts cover prefill longer than the 128-token window, C128
-visibility (>128 tokens) and one prompt beyond 4 x index_topk tokens, so the
-lightning indexer's real top-k selection runs instead of the short-context
-fill. A negative control (the sink shifted in one layer) must fail the same
-comparison, proving it is sensitive.
+"""Greedy parity of the plugin's layer with vLLM's own DeepSeek-V4 CPU layer.
+
+The plugin's CPU layer is vLLM's layer plus the workspace: the same ``_C`` ops in
+the same order (vLLM's real C++ kernels on AVX512-BF16 machines, the plugin's
+registered torch fallbacks elsewhere), so on any machine the two must agree
+**exactly**: the same tokens and every top-5 logprob within 1e-6. Prompts cover
+prefill longer than the 128-token window, C128 visibility (>128 tokens) and one
+prompt beyond 4 x index_topk tokens, so the lightning indexer's real top-k runs.
+
+Variants with stated tolerances against it: ``VLLM_DSV4_KERNEL=torch`` (the
+plugin's torch sparse MLA instead of vLLM's kernel: bf16-ulp differences that
+compound through a random model full of near-ties, so only the first step,
+where both see the same context, is compared) and the MXFP4 indexer cache. A
+negative control (layer 0's sink shifted) must fail both comparisons.
 """
 
 import json
@@ -23,15 +30,16 @@ pytest.importorskip("vllm")
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "configs" / "tiny-dsv4"
 NUM_TOKENS = 32
-# Top-1 logprob tolerance between the two implementations. Both read the same
-# fp8 cache bytes; they differ in bf16 rounding of q/out and summation order.
-LOGPROB_ATOL = 0.05
-# Logits are bf16: near -3.8 one ulp is 2**-6 = 0.0156. The seeded model has exact ties
-# there (measured: tokens 188 and 336 both at -3.7922 after the 300-token prompt in vLLM's
-# layer, which takes the lower id; 0.0156 apart in the plugin's), so a split at a gap of at
-# most one ulp in both runs is rounding, not a difference in attention.
-TIE_GAP = 0.02
-# Top logprobs per step: enough to see the other run's pick at a tie.
+# Same kernels, same order: any difference is a bug, not rounding.
+EXACT_ATOL = 1e-6
+# First-step tolerances (same context, different arithmetic). Measured on an
+# AVX512-BF16 machine: torch-forced sparse MLA vs vLLM's C++ kernel moves the
+# top-1 logprob by up to 0.10 (the C++ kernel rounds more: golden README), the
+# MXFP4 indexer by 0.015 on the 2198-token prompt. The sink-shifted control moves
+# it by more than either bound.
+TORCH_STEP0_ATOL = 0.15
+MXFP4_STEP0_ATOL = 0.05
+# Top logprobs per step.
 TOP_LOGPROBS = 5
 
 
@@ -44,39 +52,39 @@ def _prompts(vocab: int, index_topk: int) -> list[list[int]]:
     return [[rng.randrange(16, vocab) for _ in range(n)] for n in lengths]
 
 
-def compare(ref: dict, new: dict, atol: float = LOGPROB_ATOL,
-            tie_gap: float = TIE_GAP) -> list[str]:
-    """Differences between two runs: logprob drift, then token mismatches.
-
-    Tokens must be identical, except that the runs may part at an exact tie of bf16 logits
-    (each pick in the other's top-k within ``tie_gap`` of its own pick); later steps then
-    have different contexts and are not compared. Top-1 logprobs before that must agree
-    within ``atol``.
-    """
+def exact_problems(ref: dict, new: dict, atol: float = EXACT_ATOL) -> list[str]:
+    """Differences between two runs that must be identical: any token, any of the
+    top logprobs (same ids, values within ``atol``)."""
     problems = []
     for i, (a, b) in enumerate(zip(ref["outputs"], new["outputs"])):
-        ta, tb = a["tokens"][:NUM_TOKENS], b["tokens"][:NUM_TOKENS]
-        k = next((j for j, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
-        worst = 0.0
-        for step_a, step_b, tok in zip(a["logprobs"][:k], b["logprobs"][:k], ta[:k]):
-            worst = max(worst, abs(step_a[str(tok)] - step_b[str(tok)]))
-        if not worst <= atol or math.isnan(worst):
-            problems.append(f"prompt {i}: top-1 logprob differs by {worst:.4f} > {atol}")
-        if k is None:
+        if a["tokens"] != b["tokens"]:
+            k = next(j for j, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y)
+            problems.append(f"prompt {i}: tokens differ from step {k}")
             continue
-        x, y = str(ta[k]), str(tb[k])
-        sa, sb = a["logprobs"][k], b["logprobs"][k]
+        for k, (sa, sb) in enumerate(zip(a["logprobs"], b["logprobs"])):
+            if set(sa) != set(sb):
+                problems.append(f"prompt {i} step {k}: top-{len(sa)} ids differ")
+                break
+            worst = max(abs(sa[t] - sb[t]) for t in sa)
+            if not worst <= atol:
+                problems.append(f"prompt {i} step {k}: logprob differs by {worst:.3g} > {atol}")
+                break
+    return problems
+
+
+def step0_problems(ref: dict, new: dict, atol: float) -> list[str]:
+    """First-step comparison (both runs see the prompt only): each run's pick is in
+    the other's top logprobs and the top-1 logprob moved by at most ``atol``."""
+    problems = []
+    for i, (a, b) in enumerate(zip(ref["outputs"], new["outputs"])):
+        sa, sb = a["logprobs"][0], b["logprobs"][0]
+        x, y = str(a["tokens"][0]), str(b["tokens"][0])
         if y not in sa or x not in sb:
-            problems.append(f"prompt {i}: tokens differ from step {k} ({x} vs {y}, not in "
-                            "each other's top logprobs)")
+            problems.append(f"prompt {i}: first picks {x} vs {y} not in each other's top-k")
             continue
-        gap = max(sa[x] - sa[y], sb[y] - sb[x])
-        if gap > tie_gap:
-            problems.append(f"prompt {i}: tokens differ from step {k} ({x} vs {y}, logprob "
-                            f"gap {gap:.4f} > {tie_gap})")
-        else:
-            print(f"prompt {i}: runs part at step {k} at a bf16 tie ({x} vs {y}, gap "
-                  f"{gap:.4f})")
+        drift = max(abs(sa[x] - sb[x]), abs(sa[y] - sb[y]))
+        if not drift <= atol:
+            problems.append(f"prompt {i}: first-step logprob moved by {drift:.4f} > {atol}")
     return problems
 
 
@@ -93,16 +101,19 @@ def parity_runs(tmp_path_factory):
         "seed": 0,
         "attention_backend": "FLASHMLA_SPARSE_DSV4",
     }
-    plugin = {"VLLM_DSV4_ATTN_IMPL": "plugin", "VLLM_DSV4_KERNEL": "torch"}
+    plugin = {"VLLM_DSV4_ATTN_IMPL": "plugin"}
     spec = {
         "model": str(MODEL),
         "prompts": _prompts(cfg["vocab_size"], cfg["index_topk"]),
         "max_tokens": NUM_TOKENS,
         "logprobs": TOP_LOGPROBS,
+        # Exact comparison needs the same batches in both runs (see parity_worker).
+        "one_at_a_time": True,
         "engine": engine,
         "variants": {
             "vllm": {"VLLM_DSV4_ATTN_IMPL": "vllm"},
             "plugin": plugin,
+            "plugin_torch_mla": {**plugin, "VLLM_DSV4_KERNEL": "torch"},
             "plugin_sink_perturbed": {**plugin, "VLLM_DSV4_TEST_PERTURB_SINK": "3.0"},
             # The flag users know; vLLM itself refuses MXFP4 off Blackwell.
             "plugin_mxfp4_indexer": {
@@ -128,38 +139,41 @@ def parity_runs(tmp_path_factory):
 
 
 def test_plugin_matches_vllm_cpu_attention(parity_runs):
-    problems = compare(parity_runs["vllm"], parity_runs["plugin"])
+    problems = exact_problems(parity_runs["vllm"], parity_runs["plugin"])
     assert not problems, problems
     # The outputs are informative (seeded fan-in weights), not the uniform
     # logits of vLLM's default dummy weights.
     first = parity_runs["vllm"]["outputs"][0]["logprobs"][0]
     assert max(first.values()) > -5.0
-    # Ties are the exception: most prompts must agree on every token.
-    same = sum(a["tokens"] == b["tokens"] for a, b in
-               zip(parity_runs["vllm"]["outputs"], parity_runs["plugin"]["outputs"]))
-    assert same >= 2, f"only {same} of 3 prompts agree on all {NUM_TOKENS} tokens"
+    assert all(len(o["tokens"]) == NUM_TOKENS for o in parity_runs["plugin"]["outputs"])
 
 
 def test_negative_control_is_detected(parity_runs):
-    assert compare(parity_runs["vllm"], parity_runs["plugin_sink_perturbed"])
+    perturbed = parity_runs["plugin_sink_perturbed"]
+    assert exact_problems(parity_runs["vllm"], perturbed)
+    assert step0_problems(parity_runs["vllm"], perturbed, TORCH_STEP0_ATOL)
+
+
+def test_torch_sparse_mla_variant(parity_runs):
+    problems = step0_problems(parity_runs["vllm"], parity_runs["plugin_torch_mla"],
+                              TORCH_STEP0_ATOL)
+    assert not problems, problems
 
 
 def test_kv_cache_dtype_auto_is_the_fp8_ds_mla_cache(parity_runs):
-    # auto resolves to the same 584 B fp8_ds_mla layout: the same tokens, and logprobs equal
-    # up to run-to-run noise (1e-4 seen once on a loaded machine; identical when quiet). A
-    # different cache format (bf16 rows) moves them by > 1e-2.
-    assert not compare(parity_runs["plugin"], parity_runs["plugin_kv_auto"], atol=1e-3,
-                       tie_gap=0.0)
+    # auto resolves to the same 584 B fp8_ds_mla layout: identical results.
+    assert not exact_problems(parity_runs["plugin"], parity_runs["plugin_kv_auto"])
 
 
 def test_mxfp4_indexer_cache(parity_runs):
-    fp8, fp4 = parity_runs["plugin"]["outputs"], parity_runs["plugin_mxfp4_indexer"]["outputs"]
+    fp8, fp4 = parity_runs["plugin"], parity_runs["plugin_mxfp4_indexer"]
     # Prompts with at most 4 x index_topk tokens select every compressed entry
     # whatever the indexer scores, so the indexer cache dtype cannot matter.
-    for i in (0, 1):
-        assert fp4[i]["tokens"] == fp8[i]["tokens"], f"prompt {i}"
-    # Beyond that the MXFP4 logits pick the top-k: the run completes with
-    # informative, finite logprobs (its selection may differ from FP8's).
-    steps = fp4[2]["logprobs"]
+    short = {"outputs": fp8["outputs"][:2]}
+    assert not exact_problems(short, {"outputs": fp4["outputs"][:2]})
+    # Beyond that the MXFP4 logits pick the top-k: close to FP8's at the first
+    # step, informative and finite throughout.
+    assert not step0_problems(fp8, fp4, MXFP4_STEP0_ATOL)
+    steps = fp4["outputs"][2]["logprobs"]
     assert len(steps) == NUM_TOKENS
     assert all(math.isfinite(v) for s in steps for v in s.values())

@@ -51,6 +51,8 @@ from typing import Any
 
 import torch
 
+from vllm_dsv4_backend.formats import constants
+
 ALIGNMENT = 256
 """Byte alignment of every view and slot (same as vLLM #49236's pool)."""
 
@@ -59,7 +61,7 @@ FAMILIES: tuple[str, ...] = ("q", "indexer_q", "topk", "compressor")
 
 POLICIES: tuple[str, ...] = ("shared", "private", "off")
 
-INDEXER_KV_DTYPES: tuple[str, ...] = ("fp8", "mxfp4")
+INDEXER_KV_DTYPES: tuple[str, ...] = constants.INDEXER_KV_DTYPES
 
 KERNELS: tuple[str, ...] = ("flashmla", "torch")
 
@@ -170,6 +172,10 @@ class WorkspaceConfig:
         include_attn_out: also reserve the ``[T, Hp, D]`` bf16 attention
             output in the ``q`` family (vLLM passes its own ``o_padded`` from
             outside the eager break, as in #49236, so this is off by default).
+        include_q: reserve the padded q rows in the ``q`` family (off where
+            the platform's fused q-norm/RoPE kernel returns its own q, as
+            vLLM's CPU ``fused_qnorm_rope_kv_insert_cpu`` does; then the
+            family holds only ``out``).
     """
 
     max_num_batched_tokens: int
@@ -183,6 +189,7 @@ class WorkspaceConfig:
     compress_ratios: tuple[int, ...] = ()
     num_ubatches: int = 1
     include_attn_out: bool = False
+    include_q: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -198,6 +205,8 @@ class WorkspaceConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        if not (self.include_q or self.include_attn_out):
+            raise ValueError("include_q / include_attn_out: the q family needs at least one")
         if self.padded_q_heads < self.num_local_heads:
             raise ValueError(
                 f"padded_q_heads: expected >= num_local_heads ({self.num_local_heads}), "
@@ -230,6 +239,7 @@ class WorkspaceConfig:
         padded_heads: int | None = None,
         kernel: str = "flashmla",
         include_attn_out: bool = False,
+        include_q: bool = True,
     ) -> WorkspaceConfig:
         """Build the config from a DeepSeek-V4 HF config (object or dict).
 
@@ -275,6 +285,7 @@ class WorkspaceConfig:
             compress_ratios=tuple(ratios[:num_layers]),
             num_ubatches=num_ubatches,
             include_attn_out=include_attn_out,
+            include_q=include_q,
         )
 
     def family_buffers(self, family: str) -> tuple[BufferSpec, ...]:
@@ -282,7 +293,7 @@ class WorkspaceConfig:
         hp, d = self.padded_q_heads, self.head_dim
         hi, di, k = self.index_n_heads, self.index_head_dim, self.index_topk
         if family == "q":
-            specs = [BufferSpec("q", (hp, d), torch.bfloat16)]
+            specs = [BufferSpec("q", (hp, d), torch.bfloat16)] if self.include_q else []
             if self.include_attn_out:
                 specs.append(BufferSpec("out", (hp, d), torch.bfloat16))
             return tuple(specs)

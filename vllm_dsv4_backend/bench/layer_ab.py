@@ -1,0 +1,268 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Layer-level A/B on CPU: the plugin's DeepSeek-V4 layer vs vLLM's own
+``DeepseekV4CPUAttention``, on identical inputs, interleaved in one process.
+
+A real vLLM engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+with the plugin's layer. For every forward of an attention layer whose token
+count matches the running case, the hook runs the layer's forward ``reps``
+times as the plugin's layer and ``reps`` times as vLLM's (the same instance,
+its class switched to vLLM's for the call: same weights, caches, metadata),
+alternating which goes first, then returns the plugin's output. Both write the
+same bytes to the same cache slots (the inserts are pure functions of the
+inputs), so repeating them changes nothing. Per pair it records both times and
+whether the outputs are bitwise equal; once per layer kind and case, the CPU
+allocations of each (``torch.profiler`` memory events, which see inside vLLM's
+C++ ops and its opaque custom op).
+
+Cases: decode at batch 1 / 8 / 32 (each request ``--context`` tokens of
+prompt) and one ``--prefill``-token prefill, on the tiny model
+(``configs/tiny-dsv4``) or a Flash-shaped variant of it (``--flash-shaped``:
+DeepSeek-V4-Flash's attention widths, 64 heads, hidden 4096, q/o LoRA 1024,
+8 output groups; small MoE and vocabulary so it fits a CPU).
+
+``python -m vllm_dsv4_backend.bench.layer_ab --json out.json`` prints a table;
+the ratio is vLLM's time / the plugin's (>= 1: the plugin is at least as
+fast), median over all pairs with its p10..p90 spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_MODEL = REPO / "configs" / "tiny-dsv4"
+SCHEMA = "vllm-dsv4-layer-ab/1"
+# DeepSeek-V4-Flash's attention shapes (per its config); MoE/vocab stay tiny.
+FLASH_ATTENTION = {
+    "hidden_size": 4096, "num_attention_heads": 64, "q_lora_rank": 1024,
+    "o_lora_rank": 1024, "o_groups": 8, "moe_intermediate_size": 256,
+}
+
+
+def flash_shaped_model(out_dir: Path) -> Path:
+    """A copy of the tiny model dir with Flash's attention widths."""
+    dst = out_dir / "flash-shaped-dsv4"
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(TINY_MODEL, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(FLASH_ATTENTION)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+def _pct(xs: Sequence[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+def _cpu_allocations(fn: Any) -> tuple[int, int]:
+    """(allocations, bytes) of CPU memory made while ``fn()`` runs."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    count = nbytes = 0
+    for evt in prof.events():
+        if evt.name == "[memory]" and evt.cpu_memory_usage > 0:
+            count += 1
+            nbytes += evt.cpu_memory_usage
+    del torch
+    return count, nbytes
+
+
+class _Recorder:
+    """Hooks ``DSV4CPUAttention.forward`` and records A/B pairs per case."""
+
+    def __init__(self, reps: int) -> None:
+        self.reps = reps
+        self.case: str | None = None
+        self.tokens: int | None = None
+        self.rows: dict[tuple[str, str], dict[str, Any]] = {}
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        import torch
+        from vllm.forward_context import get_forward_context
+        from vllm.models.deepseek_v4.cpu.cpu_sparse import (
+            DeepseekV4CPUAttention,
+            DeepseekV4CPUIndexer,
+        )
+
+        from vllm_dsv4_backend.layer.cpu import DSV4CPUAttention
+
+        plugin_forward = DSV4CPUAttention.forward
+
+        @contextlib.contextmanager
+        def as_vllm_layer(layer: Any) -> Iterator[None]:
+            # The same module, dispatching to vLLM's methods for one call.
+            indexer_cls = type(layer.indexer) if layer.indexer is not None else None
+            layer.__class__ = DeepseekV4CPUAttention
+            if indexer_cls is not None:
+                layer.indexer.__class__ = DeepseekV4CPUIndexer
+            try:
+                yield
+            finally:
+                layer.__class__ = DSV4CPUAttention
+                if indexer_cls is not None:
+                    layer.indexer.__class__ = indexer_cls
+
+        def vllm_forward(layer: Any, positions: Any, hidden: Any) -> Any:
+            with as_vllm_layer(layer):
+                return DeepseekV4CPUAttention.forward(layer, positions, hidden)
+
+        def hooked(layer: Any, positions: Any, hidden_states: Any,
+                   llama_4_scaling: Any = None) -> Any:
+            if (self.case is None or hidden_states.shape[0] != self.tokens
+                    or not isinstance(get_forward_context().attn_metadata, dict)):
+                return plugin_forward(layer, positions, hidden_states)
+            row = self.rows.setdefault((self.case, layer.layer_kind), {
+                "case": self.case, "layer_kind": layer.layer_kind, "tokens": self.tokens,
+                "plugin_ms": [], "vllm_ms": [], "ratios": [], "identical": 0, "pairs": 0,
+            })
+            for r in range(self.reps):
+                order = ("plugin", "vllm") if r % 2 == 0 else ("vllm", "plugin")
+                times: dict[str, float] = {}
+                outs: dict[str, Any] = {}
+                for who in order:
+                    t0 = time.perf_counter()
+                    if who == "plugin":
+                        outs[who] = plugin_forward(layer, positions, hidden_states)
+                    else:
+                        outs[who] = vllm_forward(layer, positions, hidden_states)
+                    times[who] = time.perf_counter() - t0
+                row["plugin_ms"].append(times["plugin"] * 1e3)
+                row["vllm_ms"].append(times["vllm"] * 1e3)
+                row["ratios"].append(times["vllm"] / times["plugin"])
+                row["pairs"] += 1
+                row["identical"] += int(torch.equal(outs["plugin"], outs["vllm"]))
+            if "plugin_allocs" not in row:
+                row["plugin_allocs"], row["plugin_alloc_bytes"] = _cpu_allocations(
+                    lambda: plugin_forward(layer, positions, hidden_states))
+                row["vllm_allocs"], row["vllm_alloc_bytes"] = _cpu_allocations(
+                    lambda: vllm_forward(layer, positions, hidden_states))
+            return plugin_forward(layer, positions, hidden_states)
+
+        DSV4CPUAttention.forward = hooked  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            DSV4CPUAttention.forward = plugin_forward  # type: ignore[method-assign]
+
+    def summary(self) -> list[dict[str, Any]]:
+        out = []
+        for row in self.rows.values():
+            ratios = row["ratios"]
+            out.append({
+                "case": row["case"], "layer_kind": row["layer_kind"], "tokens": row["tokens"],
+                "pairs": row["pairs"], "identical": row["identical"],
+                "plugin_ms_median": statistics.median(row["plugin_ms"]),
+                "vllm_ms_median": statistics.median(row["vllm_ms"]),
+                "ratio_median": statistics.median(ratios),
+                "ratio_p10": _pct(ratios, 10), "ratio_p90": _pct(ratios, 90),
+                "plugin_allocs": row.get("plugin_allocs"),
+                "vllm_allocs": row.get("vllm_allocs"),
+                "plugin_alloc_bytes": row.get("plugin_alloc_bytes"),
+                "vllm_alloc_bytes": row.get("vllm_alloc_bytes"),
+            })
+        return out
+
+
+def run(*, flash_shaped: bool = False, batches: Sequence[int] = (1, 8, 32),
+        context: int = 256, prefill: int = 1024, decode_steps: int = 4, reps: int = 3,
+        progress: Any = sys.stderr) -> dict[str, Any]:
+    """Run every case in one engine; returns the JSON-able result."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    tmp = Path(tempfile.mkdtemp(prefix="dsv4-layer-ab-"))
+    model = flash_shaped_model(tmp) if flash_shaped else TINY_MODEL
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    max_len = max(prefill, context + decode_steps) + 16
+    mnbt = max(prefill, max(batches) * (context + 1), 2048)
+    llm = LLM(model=str(model), load_format="dummy", tokenizer_mode="hf",
+              kv_cache_dtype="fp8", enforce_eager=True, max_model_len=max(max_len, 2048),
+              max_num_batched_tokens=mnbt, max_num_seqs=max(batches), seed=0,
+              attention_backend="FLASHMLA_SPARSE_DSV4", enable_prefix_caching=False)
+    rng = random.Random(0)
+    rec = _Recorder(reps)
+    t0 = time.monotonic()
+    with rec.installed():
+        cases = [(f"decode_b{b}", b, [context] * b, decode_steps) for b in batches]
+        cases.append((f"prefill_{prefill}", prefill, [prefill], 1))
+        for name, tokens, lens, steps in cases:
+            progress.write(f"[layer-ab] {name} ...\n")
+            progress.flush()
+            rec.case, rec.tokens = name, tokens
+            prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(16, vocab)
+                                                      for _ in range(n)]) for n in lens]
+            llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=steps,
+                                                 ignore_eos=True), use_tqdm=False)
+        rec.case = None
+    import torch
+
+    rows = rec.summary()
+    return {
+        "schema": SCHEMA, "model": "flash-shaped" if flash_shaped else "tiny",
+        "threads": torch.get_num_threads(), "reps": reps, "context": context,
+        "wall_s": time.monotonic() - t0, "rows": rows,
+        "ratio_median_all": statistics.median(r["ratio_median"] for r in rows) if rows else None,
+    }
+
+
+def format_result(res: dict[str, Any]) -> str:
+    lines = [f"layer A/B ({res['model']} model, {res['threads']} thread(s)): "
+             "ratio = vLLM layer time / plugin layer time (>= 1: plugin at least as fast)",
+             f"{'case':<14}{'kind':<6}{'T':>6}{'plugin ms':>11}{'vLLM ms':>10}{'ratio':>8}"
+             f"{'p10..p90':>14}{'identical':>11}{'allocs p/v':>12}"]
+    for r in res["rows"]:
+        lines.append(
+            f"{r['case']:<14}{r['layer_kind']:<6}{r['tokens']:>6}{r['plugin_ms_median']:>11.3f}"
+            f"{r['vllm_ms_median']:>10.3f}{r['ratio_median']:>8.3f}"
+            f"{r['ratio_p10']:>7.2f}..{r['ratio_p90']:<5.2f}"
+            f"{r['identical']:>5}/{r['pairs']:<5}"
+            f"{r['plugin_allocs']:>6}/{r['vllm_allocs']}")
+    lines.append(f"median ratio over rows: {res['ratio_median_all']:.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--flash-shaped", action="store_true",
+                   help="DeepSeek-V4-Flash attention widths instead of the tiny model's")
+    p.add_argument("--batches", default="1,8,32", help="decode batch sizes (default 1,8,32)")
+    p.add_argument("--context", type=int, default=256, help="prompt tokens per decode request")
+    p.add_argument("--prefill", type=int, default=1024, help="tokens of the prefill case")
+    p.add_argument("--reps", type=int, default=3, help="A/B pairs per layer forward")
+    p.add_argument("--json", help="write the result here")
+    args = p.parse_args(argv)
+    batches = [int(x) for x in args.batches.split(",") if x.strip()]
+    if not batches or min(batches) < 1 or args.reps < 1 or args.context < 1:
+        p.error("--batches, --context and --reps must be positive")
+    res = run(flash_shaped=args.flash_shaped, batches=batches, context=args.context,
+              prefill=args.prefill, reps=args.reps)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    print(format_result(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,592 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The plugin's DeepSeek-V4 layer on CPU: vLLM 0.32's ``DeepseekV4CPUAttention``
+plus the workspace.
+
+The layer calls the ``torch.ops._C`` ops vLLM's CPU layer calls, in its order,
+on the same inputs: vLLM's real C++ kernels where the loaded library has them
+(AVX512-BF16/AMX builds), the plugin's registered torch fallbacks
+(:mod:`vllm_dsv4_backend.vllm_compat.cpu_ops`) where it does not. So on every
+machine its output is vLLM's layer's output, bit for bit. What differs is
+where the outputs go:
+
+========================================  ===========================================
+op (vLLM's order)                         output
+========================================  ===========================================
+``fused_qnorm_rope_kv_insert_cpu``        returned by the kernel (no output argument)
+``fused_indexer_q_rope_quant_cpu``        workspace ``indexer_q`` (``q``, ``weights``)
+``save_partial_states_cpu`` / stores      the paged caches (vLLM's)
+``fp8_paged_mqa_logits_cpu``              returned by the kernel (no output argument)
+``topk_transform_512_cpu``                vLLM's persistent top-k buffer + workspace
+                                          ``topk.global`` (the page ids vLLM discards)
+``flash_mla_with_kvcache_cpu``            workspace ``q.out`` (the padded attention
+                                          output vLLM allocated per layer and step)
+``inverse_gptj_rope_o_proj_cpu``,         vLLM's ``_o_proj``, unchanged (no output
+``bmm_cpu``                               argument / not part of the eager hand-over)
+========================================  ===========================================
+
+The MXFP4 indexer cache has no vLLM CPU op (vLLM's CPU path is FP8 only), so
+there the plugin's torch ops quantize the indexer q into the ``indexer_q``
+lease, store the indexer compressor's entries and compute logits + top-k.
+``VLLM_DSV4_KERNEL=torch`` swaps ``flash_mla_with_kvcache_cpu`` for the
+plugin's torch sparse MLA (for comparison); everything else stays vLLM's.
+
+Every lease belongs to one :class:`vllm_dsv4_backend.eager.Step` per layer
+and forward, released together on exit, exception or not. The methods whose
+bodies are vLLM's with only the buffers changed are listed (with a
+fingerprint of vLLM's source) in :data:`COPIED_VLLM_BODIES`;
+:mod:`vllm_dsv4_backend.vllm_compat` checks them when it installs the layer.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from vllm.forward_context import get_forward_context
+from vllm.logger import init_logger
+from vllm.models.deepseek_v4.cpu import cpu_compressor as vllm_cpu_compressor
+from vllm.models.deepseek_v4.cpu.cpu_compressor import DeepseekV4CPUCompressor
+from vllm.models.deepseek_v4.cpu.cpu_sparse import (
+    DeepseekV4CPUAttention,
+    DeepseekV4CPUIndexer,
+)
+from vllm.models.deepseek_v4.cpu.cpu_utils import map_local_to_global_slots_cpu
+from vllm.utils.math_utils import cdiv
+from vllm.utils.math_utils import round_up as _round_up
+
+from vllm_dsv4_backend import eager, envs, ops, testing
+from vllm_dsv4_backend.backend import DSV4FlashMLASparseBackend, DSV4SWABackend
+from vllm_dsv4_backend.formats.constants import layer_kind
+from vllm_dsv4_backend.ops import compressor as compressor_ops
+from vllm_dsv4_backend.ops import indexer as indexer_ops
+from vllm_dsv4_backend.vllm_compat import cpu_ops
+from vllm_dsv4_backend.workspace import WorkspaceConfig, WorkspaceManager
+
+logger = init_logger(__name__)
+
+__all__ = ["COPIED_VLLM_BODIES", "DSV4CPUAttention", "layer_cls"]
+
+# vLLM methods whose body the plugin's override repeats with only the output
+# buffers changed: "module:qualname". vllm_compat fingerprints them at install.
+COPIED_VLLM_BODIES: tuple[str, ...] = (
+    "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention.forward",
+    "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention.forward_mqa",
+    "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention._sparse_indexer_and_attn",
+    "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUIndexer.forward",
+    "vllm.models.deepseek_v4.cpu.cpu_sparse:_fused_indexer_q_rope_quant_cpu",
+    "vllm.models.deepseek_v4.cpu.cpu_compressor:DeepseekV4CPUCompressor.forward",
+    "vllm.model_executor.layers.sparse_attn_indexer:SparseAttnIndexer.forward_cpu",
+)
+
+_managers: dict[int, WorkspaceManager] = {}
+_scratches: dict[int, torch.Tensor] = {}
+_managers_lock = threading.Lock()
+_logged_kinds: set[str] = set()
+
+
+def _ubatch_id() -> int:
+    try:
+        from vllm.v1.worker.ubatching import dbo_current_ubatch_id
+    except ImportError:
+        return 0
+    return int(dbo_current_ubatch_id())
+
+
+def _num_ubatches(vllm_config: Any) -> int:
+    return 2 if getattr(vllm_config.parallel_config, "use_ubatching", False) else 1
+
+
+def workspace_manager_for(vllm_config: Any, layer: DSV4CPUAttention) -> WorkspaceManager:
+    """The model's workspace manager (one per model per process), created by
+    its first attention layer; every layer registers itself before load ends."""
+    key = id(vllm_config)
+    with _managers_lock:
+        manager = _managers.get(key)
+        if manager is None:
+            config = WorkspaceConfig.from_hf_config(
+                vllm_config.model_config.hf_config,
+                max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+                tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                indexer_kv_dtype=layer.indexer_kv_dtype,
+                num_ubatches=_num_ubatches(vllm_config),
+                padded_heads=layer.padded_heads,
+                # vLLM's CPU layer allocated the attention output per layer and
+                # step; the q itself comes back from vLLM's fused kernel.
+                include_attn_out=True,
+                include_q=False,
+            )
+            manager = WorkspaceManager(
+                config,
+                layers=[],
+                device=vllm_config.device_config.device,
+                policy=envs.VLLM_DSV4_WORKSPACE,
+                debug=envs.VLLM_DSV4_WORKSPACE_DEBUG,
+                _unsafe_disable_fences_for_tests=not testing.fences_enabled(),
+            )
+            _managers[key] = manager
+        return manager
+
+
+class DSV4Compressor(DeepseekV4CPUCompressor):
+    """vLLM's CPU compressor for the indexer branch of an MXFP4 indexer cache.
+
+    vLLM's ``compress_norm_rope_store_indexer_cpu`` writes only the FP8
+    (132 B) layout; this class runs vLLM's ``forward`` with the store swapped
+    for the plugin's MXFP4 (68 B) writer. The state update
+    (``save_partial_states_cpu``) and every argument stay vLLM's.
+    """
+
+    def forward(self, kv_score: torch.Tensor, positions: torch.Tensor, rotary_emb) -> None:
+        original = vllm_cpu_compressor.compress_norm_rope_store_indexer_cpu
+        vllm_cpu_compressor.compress_norm_rope_store_indexer_cpu = _mxfp4_indexer_store
+        try:
+            super().forward(kv_score, positions, rotary_emb)
+        finally:
+            vllm_cpu_compressor.compress_norm_rope_store_indexer_cpu = original
+
+
+def _mxfp4_indexer_store(*args: Any) -> None:
+    compressor_ops.compress_norm_rope_store_indexer(*args, indexer_kv_dtype="mxfp4")
+
+
+class DSV4Indexer(DeepseekV4CPUIndexer):
+    """vLLM's CPU indexer with its quantized q written into the layer step's
+    ``indexer_q`` lease (FP8: vLLM's ``fused_indexer_q_rope_quant_cpu``;
+    MXFP4: the plugin's torch quantizer). Everything else is vLLM's
+    ``forward``: the short-context fill of vLLM's top-k buffer, the order
+    q-quant then compressor."""
+
+    # Set by DSV4CPUAttention (plain attributes: the indexer must not register
+    # its parent as a submodule).
+    _dsv4_dtype: str
+    _dsv4_owner: DSV4CPUAttention
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        qr: torch.Tensor,
+        compressed_kv_score: torch.Tensor | None,
+        indexer_weights: torch.Tensor,
+        positions: torch.Tensor,
+        rotary_emb: Any,
+        qr_scale: torch.Tensor | None = None,
+        skip_compressor: bool = False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        attn_metadata = get_forward_context().attn_metadata
+        if isinstance(attn_metadata, dict):
+            md = attn_metadata[self.k_cache.prefix]
+            if md.max_seq_len // self.compress_ratio <= self.topk_tokens:
+                self.compressor(compressed_kv_score, positions, rotary_emb)
+                num_tokens = md.num_decode_tokens + md.num_prefill_tokens
+                if num_tokens > 0:
+                    self._fill_short_context_topk(positions, num_tokens)
+                return None, None, None
+
+        lease = self._dsv4_owner._step.lease("indexer_q")
+        num_tokens = positions.shape[0]
+        q = self._wq_b_proj(qr, qr_scale).view(-1, self.n_head, self.head_dim)
+        if self._dsv4_dtype == "fp8":
+            q_out, w_out = lease["q"][:num_tokens], lease["weights"][:num_tokens]
+            torch.ops._C.fused_indexer_q_rope_quant_cpu(
+                positions,
+                q.to(torch.float32),
+                rotary_emb.cos_sin_cache,
+                q_out,
+                indexer_weights.to(torch.float32),
+                self.softmax_scale,
+                self.n_head**-0.5,
+                w_out,
+            )
+            q_scale = None
+        else:
+            out = indexer_ops.indexer_q_rope_quant(
+                q[:num_tokens],
+                positions[:num_tokens],
+                rotary_emb.cos_sin_cache,
+                indexer_weights[:num_tokens],
+                softmax_scale=self.softmax_scale,
+                head_scale=self.n_head**-0.5,
+                dtype="mxfp4",
+                out=(lease["q"], lease["scales"], lease["weights"]),
+            )
+            q_out, q_scale, w_out = out.q, out.q_scale, out.weights
+        self.compressor(compressed_kv_score, positions, rotary_emb)
+        return q_out, q_scale, w_out
+
+
+class DSV4CPUAttention(DeepseekV4CPUAttention):
+    """DeepSeek-V4 attention served by the plugin (CPU build of vLLM 0.32)."""
+
+    backend_cls = DSV4FlashMLASparseBackend
+    swa_backend_cls = DSV4SWABackend
+
+    def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(vllm_config, *args, **kwargs)
+        attn_cfg = vllm_config.attention_config
+        self.indexer_kv_dtype = attn_cfg.resolve_indexer_kv_dtype("fp8")
+        reasons = DSV4FlashMLASparseBackend.unsupported_reasons(
+            head_size=self.head_dim,
+            dtype=vllm_config.model_config.dtype,
+            kv_cache_dtype=vllm_config.cache_config.cache_dtype,
+            indexer_kv_dtype=self.indexer_kv_dtype,
+        )
+        if reasons:
+            raise ValueError(
+                "FLASHMLA_SPARSE_DSV4 (vllm_dsv4_backend) cannot serve this model: "
+                + "; ".join(reasons)
+            )
+        self.layer_kind = layer_kind(self.compress_ratio)
+        self._workspace = workspace_manager_for(vllm_config, self)
+        self._workspace.add_layer(self.prefix, self.compress_ratio)
+        self._step: eager.Step | None = None
+        if self.indexer is not None:
+            self.indexer.__class__ = DSV4Indexer
+            self.indexer._dsv4_dtype = self.indexer_kv_dtype
+            # Not nn.Module.__setattr__: that would register the parent as the
+            # indexer's submodule (a cycle that recurses in .train()/.eval()).
+            object.__setattr__(self.indexer, "_dsv4_owner", self)
+            if self.indexer_kv_dtype == "mxfp4":
+                self.indexer.compressor.__class__ = DSV4Compressor
+        self.index_topk = int(vllm_config.model_config.hf_config.index_topk)
+        # "torch" forces the plugin's torch sparse MLA; anything else calls
+        # the op vLLM's layer calls (the real C++ kernel, or its registered
+        # fallback on CPUs without AVX512-BF16).
+        self._sparse_mla = "torch" if envs.VLLM_DSV4_KERNEL == "torch" else "vllm_cpu"
+        self._path_logged = False
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        super().process_weights_after_loading(act_dtype)
+        # All layers exist by now: reserve once, before vLLM profiles memory.
+        if not self._workspace.reserved:
+            self._workspace.reserve()
+            if self._sparse_mla == "torch":
+                self._reserve_attention_scratch()
+            stats = self._workspace.stats()
+            logger.info(
+                "vllm_dsv4_backend workspace: policy %s, %.1f MiB reserved for %d layers",
+                self._workspace.policy,
+                stats.get("reserved_bytes_total", 0) / 2**20,
+                len(self._workspace.layers),
+            )
+        testing.after_layer_loaded(self)
+
+    def _reserve_attention_scratch(self) -> None:
+        """One uint8 scratch for the torch sparse-MLA path, shared by the
+        model's layers (they run one after another on one stream), sized for
+        the widest row at max_num_batched_tokens."""
+        cfg = self._workspace.config
+        widest_compressed = max(self.index_topk, cdiv(self.max_model_len, 128))
+        nbytes = ops.decode_scratch_nbytes(
+            cfg.max_num_batched_tokens, 1, self.padded_heads, self.window_size,
+            _round_up(widest_compressed, 128),
+        )
+        _scratches[id(self._workspace)] = torch.empty(
+            nbytes, dtype=torch.uint8, device=self.attn_sink.device
+        )
+
+    # --- the eager region ------------------------------------------------------------
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        llama_4_scaling: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # vLLM's forward, with o_padded leased instead of a torch.empty per
+        # layer and step.
+        num_tokens = hidden_states.shape[0]
+        with eager.Step(self._workspace, self.prefix, num_tokens, _ubatch_id()) as step:
+            self._step = step
+            try:
+                o_padded = step.lease("q")["out"]
+                qr_kv = self._fused_wqa_wkv_gemm(hidden_states)
+                kv_score = None
+                if self.compressor is not None:
+                    kv_score = self.compressor.fused_wkv_wgate(hidden_states).to(torch.float32)
+                indexer_weights = indexer_kv_score = None
+                if self.indexer is not None:
+                    indexer_weights, _ = self.indexer.weights_proj(hidden_states)
+                    indexer_kv_score = self.indexer.compressor.fused_wkv_wgate(
+                        hidden_states
+                    ).to(torch.float32)
+                qr, qr_scale, kv = self._split_qkv_and_norm(qr_kv)
+                from vllm.utils.torch_utils import _encode_layer_name
+
+                return torch.ops.vllm.deepseek_v4_cpu_prepare_and_attn(
+                    hidden_states,
+                    qr,
+                    kv,
+                    qr_scale,
+                    kv_score,
+                    indexer_kv_score,
+                    indexer_weights,
+                    positions,
+                    o_padded,
+                    _encode_layer_name(self.prefix),
+                )
+            finally:
+                self._step = None
+                testing.after_layer_forward(self, self._workspace)
+
+    def _sparse_indexer_and_attn(
+        self,
+        hidden_states: torch.Tensor,
+        index_q: torch.Tensor | None,
+        index_q_scale: torch.Tensor | None,
+        index_weights: torch.Tensor | None,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        positions: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        if self.indexer is not None and index_q is not None:
+            assert index_weights is not None
+            if self.indexer_kv_dtype == "fp8":
+                self._indexer_topk_fp8(index_q, index_weights, hidden_states.shape[0])
+            else:
+                self._indexer_topk_mxfp4(index_q, index_q_scale, index_weights, positions)
+            # The indexer q's last consumer has run.
+            self._step.release("indexer_q")
+        self.forward_mqa(q, kv, positions, out)
+        if not self._path_logged:
+            self._log_path()
+
+    def _indexer_topk_fp8(
+        self, q_fp8: torch.Tensor, weights: torch.Tensor, num_rows: int
+    ) -> None:
+        """vLLM's ``SparseAttnIndexer.forward_cpu`` (same kernels, same
+        arguments) with the page ids ``topk_transform_512_cpu`` must write
+        going into the step's ``topk.global`` instead of a fresh buffer."""
+        indexer = self.indexer
+        md = get_forward_context().attn_metadata[indexer.k_cache.prefix]
+        kv_cache = indexer.k_cache.kv_cache
+        kv_view = kv_cache.view(kv_cache.shape[0], -1)
+        block_size = kv_cache.shape[1]
+        topk_tokens = indexer.topk_tokens
+        buf = indexer.topk_indices_buffer
+        page_scratch = self._step.lease("topk")["global"]
+        buf[:num_rows] = -1
+        if md.num_prefills > 0:
+            if topk_tokens != 512:
+                raise ValueError(
+                    f"topk_transform_512_cpu only supports index_topk == 512, got {topk_tokens}"
+                )
+            chunk = md.prefill.chunks[0]
+            if len(md.prefill.chunks) != 1:
+                raise RuntimeError("the CPU indexer builder must produce one prefill chunk")
+            topk = buf[chunk.token_start : chunk.token_end, :topk_tokens]
+            if chunk.local_total_seq_lens == 0:
+                topk.fill_(-1)
+            else:
+                local_seq_lens = chunk.cu_seqlen_ke - chunk.cu_seqlen_ks
+                req_idx = torch.searchsorted(chunk.local_cu_seq_lens, chunk.cu_seqlen_ks,
+                                             right=True) - 1
+                page_table = chunk.block_table[req_idx]
+                logits = torch.ops._C.fp8_paged_mqa_logits_cpu(
+                    q_fp8[chunk.token_start : chunk.token_end],
+                    kv_view,
+                    weights[chunk.token_start : chunk.token_end],
+                    local_seq_lens,
+                    page_table,
+                    block_size,
+                    int(local_seq_lens.max().item()),
+                )
+                torch.ops._C.topk_transform_512_cpu(
+                    logits, local_seq_lens, page_table,
+                    page_scratch[: chunk.token_end - chunk.token_start], block_size, topk,
+                )
+        if md.num_decodes > 0:
+            dmd = md.decode
+            if dmd.requires_padding:
+                raise NotImplementedError(
+                    "the CPU indexer decode path does not support speculative decoding"
+                )
+            batch = dmd.decode_lens.shape[0]
+            if batch > 0:
+                if md.num_decode_tokens != batch:
+                    raise RuntimeError("CPU indexer decode expects one query token per request")
+                seq_lens = dmd.seq_lens
+                seq_lens = seq_lens[:, -1].contiguous() if seq_lens.ndim == 2 else seq_lens
+                block_table = dmd.block_table[:batch]
+                logits = torch.ops._C.fp8_paged_mqa_logits_cpu(
+                    q_fp8[: md.num_decode_tokens], kv_view, weights[: md.num_decode_tokens],
+                    seq_lens, block_table, block_size, md.max_seq_len,
+                )
+                torch.ops._C.topk_transform_512_cpu(
+                    logits, seq_lens, block_table, page_scratch[:batch], block_size,
+                    buf[: md.num_decode_tokens, :topk_tokens],
+                )
+
+    def _indexer_topk_mxfp4(
+        self,
+        index_q: torch.Tensor,
+        index_q_scale: torch.Tensor | None,
+        index_weights: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> None:
+        """MXFP4 indexer cache (no vLLM CPU op): the plugin's torch logits and
+        causal top-k, written into vLLM's top-k buffer as local entry ids like
+        the FP8 path, so ``forward_mqa`` maps them the same way."""
+        attn_metadata = get_forward_context().attn_metadata
+        indexer = self.indexer
+        swa_md = attn_metadata[self.swa_cache_layer.prefix]
+        flash_md = attn_metadata[self.prefix]
+        ind_md = attn_metadata[indexer.k_cache.prefix]
+        num_tokens = ind_md.num_decode_tokens + ind_md.num_prefill_tokens
+        topk = self._step.lease("topk")
+        eager.select_topk_c4(
+            positions=positions[:num_tokens],
+            token_to_req=swa_md.token_to_req_indices[:num_tokens],
+            compressed_block_table=flash_md.block_table,
+            entries_per_block=flash_md.block_size // self.compress_ratio,
+            index_topk=self.index_topk,
+            out_local=indexer.topk_indices_buffer[:num_tokens, : self.index_topk],
+            out_global=topk["global"][:num_tokens],
+            out_lens=topk["lens"][:num_tokens],
+            arange=None,
+            minus_one=None,
+            index_q=index_q,
+            index_q_scale=index_q_scale,
+            index_weights=index_weights,
+            indexer_k_cache=indexer.k_cache.kv_cache,
+            indexer_block_table=ind_md.block_table,
+            indexer_kv_dtype="mxfp4",
+            max_compressed=ind_md.max_seq_len // self.compress_ratio,
+        )
+
+    def forward_mqa(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        positions: torch.Tensor,
+        output: torch.Tensor,
+    ) -> None:
+        # vLLM's forward_mqa: the same slot tables, then its sparse MLA op
+        # (or, with VLLM_DSV4_KERNEL=torch, the plugin's) into the lease.
+        attn_metadata = get_forward_context().attn_metadata
+        if attn_metadata is None:
+            output.zero_()
+            return
+        swa_md = attn_metadata.get(self.swa_cache_layer.prefix)
+        req_idx = swa_md.token_to_req_indices
+        num_tokens = q.shape[0]
+        device = q.device
+        window = self.window_size
+        start_pos = (positions - window + 1).clamp(min=0)
+        local_pos = start_pos.unsqueeze(-1) + torch.arange(window, device=device)
+        valid_win = local_pos <= positions.unsqueeze(-1)
+        win_local = torch.where(valid_win, local_pos, torch.full_like(local_pos, -1))
+        window_slots = map_local_to_global_slots_cpu(
+            win_local, req_idx, swa_md.block_table, swa_md.block_size
+        )
+        swa_cache = self.swa_cache_layer.kv_cache
+        window_cache_2d = swa_cache.view(swa_cache.shape[0], -1)
+        if self.compress_ratio <= 1:
+            compressed_slots = window_slots.new_full((num_tokens, 0), -1)
+            compressed_cache_2d = window_cache_2d
+            compressed_block_size = 1
+        else:
+            flash_md = attn_metadata.get(self.prefix)
+            compressed_block_size = flash_md.block_size // self.compress_ratio
+            if self.compress_ratio == 4:
+                local_topk = self.topk_indices_buffer[:num_tokens]
+            else:
+                width = -(-self.max_model_len // self.compress_ratio)
+                num_compressed = torch.div(
+                    positions + 1, self.compress_ratio, rounding_mode="floor"
+                ).clamp(max=width)
+                arange_w = torch.arange(width, device=device)
+                local_topk = torch.where(
+                    arange_w.unsqueeze(0) < num_compressed.unsqueeze(-1),
+                    arange_w.unsqueeze(0).expand(num_tokens, width),
+                    torch.full((num_tokens, width), -1, device=device, dtype=torch.int64),
+                )
+            compressed_slots = map_local_to_global_slots_cpu(
+                local_topk, req_idx, flash_md.block_table, compressed_block_size
+            )
+            compressed_cache_2d = self.kv_cache.view(self.kv_cache.shape[0], -1)
+
+        if self._sparse_mla == "torch":
+            self._torch_sparse_mla(
+                q, output, window_cache_2d, window_slots, swa_md.block_size,
+                compressed_cache_2d, compressed_slots, compressed_block_size,
+            )
+            return
+        torch.ops._C.flash_mla_with_kvcache_cpu(
+            output,
+            q,
+            window_cache_2d,
+            window_slots,
+            swa_md.block_size,
+            compressed_cache_2d,
+            compressed_slots,
+            compressed_block_size,
+            self.attn_sink,
+            self.scale,
+        )
+
+    def _torch_sparse_mla(
+        self,
+        q: torch.Tensor,
+        output: torch.Tensor,
+        window_cache_2d: torch.Tensor,
+        window_slots: torch.Tensor,
+        window_block_size: int,
+        compressed_cache_2d: torch.Tensor,
+        compressed_slots: torch.Tensor,
+        compressed_block_size: int,
+    ) -> None:
+        """``VLLM_DSV4_KERNEL=torch``: the plugin's torch sparse MLA (FlashMLA
+        semantics: only -1 is invalid) on the slot tables vLLM built."""
+        has_compressed = compressed_slots.shape[1] > 0
+        eager.attend(
+            q,
+            eager.block_view(window_cache_2d, window_block_size),
+            window_slots.to(torch.int32),
+            None,
+            self.attn_sink,
+            self.scale,
+            output,
+            eager.block_view(compressed_cache_2d, compressed_block_size)
+            if has_compressed else None,
+            compressed_slots.to(torch.int32) if has_compressed else None,
+            None,
+            scratch=_scratches.get(id(self._workspace)),
+        )
+
+    def _log_path(self) -> None:
+        self._path_logged = True
+        kind = self.layer_kind
+        if self._sparse_mla == "torch":
+            path = "torch"
+        elif cpu_ops.is_fallback("flash_mla_with_kvcache_cpu"):
+            path = "vllm_cpu (plugin's torch fallback: no AVX512-BF16 library)"
+        else:
+            path = "vllm_cpu"
+        testing.record_layer(self, kind, path)
+        if kind in _logged_kinds:
+            return
+        _logged_kinds.add(kind)
+        logger.info(
+            "vllm_dsv4_backend: %s layers run sparse MLA on the %s kernel path, workspace "
+            "policy %s, indexer cache %s",
+            kind,
+            path,
+            self._workspace.policy,
+            self.indexer_kv_dtype if self.indexer is not None else "-",
+        )
+
+
+def layer_cls() -> type:
+    """The CPU layer, after checking that the vLLM bodies it repeats are the
+    ones it was written against and lifting vLLM's MXFP4 architecture check."""
+    import vllm
+
+    from vllm_dsv4_backend.vllm_compat import fingerprints, patches
+
+    minor = ".".join(str(vllm.__version__).split(".")[:2])
+    fingerprints.check(COPIED_VLLM_BODIES, minor)
+    patches.apply("mxfp4_indexer_cache")
+    return DSV4CPUAttention

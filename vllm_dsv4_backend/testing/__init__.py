@@ -1,0 +1,118 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Test support, kept apart from the serving code (torch only).
+
+Everything here is inert unless a test setting of :mod:`vllm_dsv4_backend.envs`
+turns it on:
+
+* ``VLLM_DSV4_MARKER_DIR``: the layers record, from inside the worker, which
+  kernel path each layer kind ran (``layers/layer-<kind>-<pid>.json``) and the
+  workspace counters, rewritten once per model step
+  (``layers/workspace-<pid>.json``), so the server tests can prove what ran.
+* ``VLLM_DSV4_TEST_PERTURB_SINK``: shifts layer 0's attention sink after
+  loading: the parity test's negative control (a comparison that cannot fail
+  proves nothing).
+* ``VLLM_DSV4_TEST_UNSAFE_NO_FENCES``: the workspace skips its cross-stream
+  fences (the load and stream tests show what that breaks).
+* :mod:`.schedule`: the simulated DeepSeek-V4 stream fan-out the race tests
+  drive the workspace with.
+
+The serving code calls only the hooks below; each returns at once when its
+setting is off.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from typing import Any
+
+from vllm_dsv4_backend import envs
+from vllm_dsv4_backend._logging import init_logger
+
+__all__ = ["after_layer_forward", "after_layer_loaded", "fences_enabled", "record_layer"]
+
+logger = init_logger(__name__)
+
+_WORKSPACE_MARKER_KEYS = (
+    "policy", "fences_enabled", "num_layers", "reserved_bytes_total", "leases_total",
+    "fence_waits_total", "allocations_total", "peak_leased_bytes",
+)
+_recorded_kinds: set[str] = set()
+_steps = 0
+_warned_no_fences = False
+
+
+def fences_enabled() -> bool:
+    """False only under ``VLLM_DSV4_TEST_UNSAFE_NO_FENCES=1`` (warned once)."""
+    global _warned_no_fences
+    if not envs.VLLM_DSV4_TEST_UNSAFE_NO_FENCES:
+        return True
+    if not _warned_no_fences:
+        _warned_no_fences = True
+        logger.warning("VLLM_DSV4_TEST_UNSAFE_NO_FENCES=1: the workspace skips its "
+                       "cross-stream fences (test only)")
+    return False
+
+
+def _layers_dir() -> str | None:
+    marker_dir = envs.VLLM_DSV4_MARKER_DIR
+    if marker_dir is None:
+        return None
+    path = os.path.join(marker_dir, "layers")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _write_json(path: str, record: dict[str, Any]) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)
+
+
+def record_layer(layer: Any, kind: str, kernel_path: str) -> None:
+    """Once per layer kind and process: what the plugin's layer ran."""
+    if kind in _recorded_kinds:
+        return
+    out = _layers_dir()
+    if out is None:
+        return
+    _recorded_kinds.add(kind)
+    _write_json(os.path.join(out, f"layer-{kind}-{os.getpid()}.json"), {
+        "pid": os.getpid(),
+        "process": multiprocessing.current_process().name,
+        "layer_kind": kind,
+        "layer_cls": type(layer).__qualname__,
+        "backend": layer.backend_cls.get_name(),
+        "kernel_path": kernel_path,
+        "workspace_policy": layer._workspace.policy,
+        "indexer_kv_dtype": layer.indexer_kv_dtype,
+    })
+
+
+def after_layer_forward(layer: Any, workspace: Any) -> None:
+    """After the model's last attention layer of a step: rewrite this
+    process's workspace counters (once per step, not per layer)."""
+    if envs.VLLM_DSV4_MARKER_DIR is None:
+        return
+    layers = workspace.layers
+    if not layers or layer.prefix != next(reversed(layers)):
+        return
+    global _steps
+    _steps += 1
+    stats = workspace.stats()
+    record = {k: stats[k] for k in _WORKSPACE_MARKER_KEYS}
+    record.update(pid=os.getpid(), steps=_steps)
+    out = _layers_dir()
+    _write_json(os.path.join(out, f"workspace-{os.getpid()}.json"), record)
+
+
+def after_layer_loaded(layer: Any) -> None:
+    """Under ``VLLM_DSV4_TEST_PERTURB_SINK``: shift layer 0's sink."""
+    delta = envs.VLLM_DSV4_TEST_PERTURB_SINK
+    if delta is None or not layer.prefix.endswith("layers.0.attn"):
+        return
+    logger.warning("VLLM_DSV4_TEST_PERTURB_SINK=%s: shifting %s's sink (test only)", delta,
+                   layer.prefix)
+    layer.attn_sink.data += delta

@@ -1,0 +1,88 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Fingerprints of the vLLM methods whose bodies the plugin's layers repeat
+(with only the output buffers changed) or whose module globals they swap.
+
+vLLM's DeepSeek-V4 files change weekly. A copied body that silently drifts
+from vLLM's would make the plugin's layer compute something vLLM no longer
+does, so :func:`check` compares the source of each listed symbol with the
+fingerprint recorded for the vLLM version it was read from, and fails loudly
+(vLLM version, symbol, both fingerprints) when it differs. Re-read the new
+vLLM source, update the override, then the table (``python -m
+vllm_dsv4_backend.vllm_compat.fingerprints SYMBOL...`` prints the values).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import sys
+from collections.abc import Iterable
+
+from vllm_dsv4_backend.vllm_compat import hooks
+
+__all__ = ["KNOWN", "check", "fingerprint"]
+
+# vLLM minor version -> {"module:qualname": sha256[:16] of the normalized source}
+KNOWN: dict[str, dict[str, str]] = {
+    "0.32": {
+        "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention.forward":
+            "bad87d88271dd6de",
+        "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention.forward_mqa":
+            "896634ba1fb6875f",
+        "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention._sparse_indexer_and_attn":
+            "000c0a04b27111ae",
+        "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUIndexer.forward":
+            "00ccbabde569ae9a",
+        "vllm.models.deepseek_v4.cpu.cpu_sparse:_fused_indexer_q_rope_quant_cpu":
+            "b0e50b53066c094b",
+        "vllm.models.deepseek_v4.cpu.cpu_compressor:DeepseekV4CPUCompressor.forward":
+            "fdb4c92a793e7a23",
+        "vllm.model_executor.layers.sparse_attn_indexer:SparseAttnIndexer.forward_cpu":
+            "bf2fb77b5fa5bdf2",
+    },
+}
+
+
+def _resolve(symbol: str) -> object:
+    module_name, _, qualname = symbol.partition(":")
+    obj: object = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def fingerprint(symbol: str) -> str:
+    """sha256 (16 hex) of ``symbol``'s source, blank lines and indentation-only
+    differences removed (``module:qualname``)."""
+    src = inspect.getsource(_resolve(symbol))
+    lines = [ln.strip() for ln in src.splitlines() if ln.strip()]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+def check(symbols: Iterable[str], minor: str) -> None:
+    """Raise ``PatchError`` unless every symbol's source matches its fingerprint
+    for vLLM ``minor`` (e.g. ``"0.32"``)."""
+    table = KNOWN.get(minor)
+    if table is None:
+        raise hooks.fail("copied vLLM bodies", f"no fingerprints recorded for vLLM {minor}.x")
+    for symbol in symbols:
+        want = table.get(symbol)
+        if want is None:
+            raise hooks.fail(symbol, f"no fingerprint recorded for vLLM {minor}.x")
+        try:
+            got = fingerprint(symbol)
+        except (AttributeError, ImportError, OSError, TypeError) as e:
+            raise hooks.fail(symbol, f"cannot be read ({e})") from e
+        if got != want:
+            raise hooks.fail(
+                symbol,
+                f"its source changed (fingerprint {got}, the plugin's override was written "
+                f"against {want}); the plugin's copy of this body must be re-read",
+            )
+
+
+if __name__ == "__main__":  # pragma: no cover
+    for s in sys.argv[1:]:
+        print(f'"{s}": "{fingerprint(s)}",')
