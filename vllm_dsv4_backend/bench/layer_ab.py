@@ -76,11 +76,13 @@ def _cpu_allocations(fn: Any) -> tuple[int, int]:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
+    # An op's own (not its children's) net CPU memory: > 0 where it allocated
+    # a tensor that outlived it (its output) or that it freed only later.
     count = nbytes = 0
     for evt in prof.events():
-        if evt.name == "[memory]" and evt.cpu_memory_usage > 0:
+        if evt.self_cpu_memory_usage > 0:
             count += 1
-            nbytes += evt.cpu_memory_usage
+            nbytes += evt.self_cpu_memory_usage
     del torch
     return count, nbytes
 
