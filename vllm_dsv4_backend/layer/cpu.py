@@ -86,6 +86,32 @@ _managers_lock = threading.Lock()
 _logged_kinds: set[str] = set()
 
 
+class _StepTables:
+    """Per-model cache of one step's layer-independent slot tables.
+
+    Cleared by the model's first attention layer at the start of every step,
+    and an entry is reused only for the very same metadata and positions
+    objects, so a table can never outlive the step it was built for.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def get(self, kind: str, md: Any, positions: torch.Tensor, build: Any) -> torch.Tensor:
+        hit = self._entries.get(kind)
+        if hit is not None and hit[0] is md and hit[1] is positions:
+            return hit[2]
+        value = build()
+        self._entries[kind] = (md, positions, value)
+        return value
+
+
+_step_tables: dict[int, _StepTables] = {}
+
+
 def _ubatch_id() -> int:
     try:
         from vllm.v1.worker.ubatching import dbo_current_ubatch_id
@@ -126,6 +152,7 @@ def workspace_manager_for(vllm_config: Any, layer: DSV4CPUAttention) -> Workspac
                 _unsafe_disable_fences_for_tests=not testing.fences_enabled(),
             )
             _managers[key] = manager
+            _step_tables[id(manager)] = _StepTables()
         return manager
 
 
@@ -255,6 +282,8 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         # fallback on CPUs without AVX512-BF16).
         self._sparse_mla = "torch" if envs.VLLM_DSV4_KERNEL == "torch" else "vllm_cpu"
         self._path_logged = False
+        # The model's first attention layer starts each step (clears the step tables).
+        self._first_layer = next(iter(self._workspace.layers)) == self.prefix
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         super().process_weights_after_loading(act_dtype)
@@ -297,6 +326,8 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         # vLLM's forward, with o_padded leased instead of a torch.empty per
         # layer and step.
         num_tokens = hidden_states.shape[0]
+        if self._first_layer:
+            _step_tables[id(self._workspace)].clear()
         with eager.Step(self._workspace, self.prefix, num_tokens, _ubatch_id()) as step:
             self._step = step
             try:
@@ -470,42 +501,34 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
             output.zero_()
             return
         swa_md = attn_metadata.get(self.swa_cache_layer.prefix)
-        req_idx = swa_md.token_to_req_indices
-        num_tokens = q.shape[0]
-        device = q.device
-        window = self.window_size
-        start_pos = (positions - window + 1).clamp(min=0)
-        local_pos = start_pos.unsqueeze(-1) + torch.arange(window, device=device)
-        valid_win = local_pos <= positions.unsqueeze(-1)
-        win_local = torch.where(valid_win, local_pos, torch.full_like(local_pos, -1))
-        window_slots = map_local_to_global_slots_cpu(
-            win_local, req_idx, swa_md.block_table, swa_md.block_size
+        tables = _step_tables[id(self._workspace)]
+        # The window table and C128's "every visible entry" table depend only on
+        # the step's metadata and positions: built by the first layer that needs
+        # them, reused by the others (vLLM builds them in every layer).
+        window_slots = tables.get(
+            "window", swa_md, positions, lambda: self._window_slots(swa_md, positions)
         )
         swa_cache = self.swa_cache_layer.kv_cache
         window_cache_2d = swa_cache.view(swa_cache.shape[0], -1)
         if self.compress_ratio <= 1:
-            compressed_slots = window_slots.new_full((num_tokens, 0), -1)
+            compressed_slots = tables.get(
+                "none", swa_md, positions, lambda: window_slots.new_full((q.shape[0], 0), -1)
+            )
             compressed_cache_2d = window_cache_2d
             compressed_block_size = 1
         else:
             flash_md = attn_metadata.get(self.prefix)
             compressed_block_size = flash_md.block_size // self.compress_ratio
             if self.compress_ratio == 4:
-                local_topk = self.topk_indices_buffer[:num_tokens]
-            else:
-                width = -(-self.max_model_len // self.compress_ratio)
-                num_compressed = torch.div(
-                    positions + 1, self.compress_ratio, rounding_mode="floor"
-                ).clamp(max=width)
-                arange_w = torch.arange(width, device=device)
-                local_topk = torch.where(
-                    arange_w.unsqueeze(0) < num_compressed.unsqueeze(-1),
-                    arange_w.unsqueeze(0).expand(num_tokens, width),
-                    torch.full((num_tokens, width), -1, device=device, dtype=torch.int64),
+                compressed_slots = map_local_to_global_slots_cpu(
+                    self.topk_indices_buffer[: q.shape[0]], swa_md.token_to_req_indices,
+                    flash_md.block_table, compressed_block_size,
                 )
-            compressed_slots = map_local_to_global_slots_cpu(
-                local_topk, req_idx, flash_md.block_table, compressed_block_size
-            )
+            else:
+                compressed_slots = tables.get(
+                    f"c{self.compress_ratio}", flash_md, positions,
+                    lambda: self._dense_compressed_slots(swa_md, flash_md, positions),
+                )
             compressed_cache_2d = self.kv_cache.view(self.kv_cache.shape[0], -1)
 
         if self._sparse_mla == "torch":
@@ -525,6 +548,38 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
             compressed_block_size,
             self.attn_sink,
             self.scale,
+        )
+
+    def _window_slots(self, swa_md: Any, positions: torch.Tensor) -> torch.Tensor:
+        """vLLM's causal sliding-window slot table ``[T, W]`` (int64, -1 pads)."""
+        window = self.window_size
+        start_pos = (positions - window + 1).clamp(min=0)
+        local_pos = start_pos.unsqueeze(-1) + torch.arange(window, device=positions.device)
+        valid_win = local_pos <= positions.unsqueeze(-1)
+        win_local = torch.where(valid_win, local_pos, torch.full_like(local_pos, -1))
+        return map_local_to_global_slots_cpu(
+            win_local, swa_md.token_to_req_indices, swa_md.block_table, swa_md.block_size
+        )
+
+    def _dense_compressed_slots(
+        self, swa_md: Any, flash_md: Any, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """vLLM's C128 table: every visible compressed entry, as global slots."""
+        num_tokens = positions.shape[0]
+        device = positions.device
+        width = -(-self.max_model_len // self.compress_ratio)
+        num_compressed = torch.div(
+            positions + 1, self.compress_ratio, rounding_mode="floor"
+        ).clamp(max=width)
+        arange_w = torch.arange(width, device=device)
+        local_topk = torch.where(
+            arange_w.unsqueeze(0) < num_compressed.unsqueeze(-1),
+            arange_w.unsqueeze(0).expand(num_tokens, width),
+            torch.full((num_tokens, width), -1, device=device, dtype=torch.int64),
+        )
+        return map_local_to_global_slots_cpu(
+            local_topk, swa_md.token_to_req_indices, flash_md.block_table,
+            flash_md.block_size // self.compress_ratio,
         )
 
     def _torch_sparse_mla(
