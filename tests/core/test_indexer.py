@@ -14,6 +14,7 @@ skip.
 from __future__ import annotations
 
 import bisect
+import heapq
 import struct
 from fractions import Fraction
 
@@ -717,15 +718,26 @@ def test_logits_match_vllm_cpu_kernel():
 # ops.indexer.indexer_topk
 # ---------------------------------------------------------------------------
 def topk_oracle(logits: torch.Tensor, n: list[int], topk: int) -> list[list[int]]:
+    """A literal run of vLLM's C++ streaming min-heap (``topk_transform_512_cpu``).
+
+    The first ``topk`` entries fill the heap; a later entry replaces the minimum
+    only if strictly greater; the minimum evicted is the lowest-indexed of the
+    minimal scores (``heapq`` on ``(score, index)`` pops exactly that one). The
+    kept set is then listed by score descending, equal scores by index.
+    """
     rows = []
     for i, ni in enumerate(n):
         if ni <= topk:
             rows.append(list(range(ni)) + [-1] * (topk - ni))
             continue
         vals = logits[i, :ni].tolist()
-        key = [float("-inf") if v != v else v for v in vals]  # NaN ranks as -inf
-        order = sorted(range(ni), key=lambda j: (-key[j], j))
-        rows.append(order[:topk])
+        key = [float("-inf") if v != v else v + 0.0 for v in vals]  # NaN ranks as -inf
+        heap = [(key[j], j) for j in range(topk)]
+        heapq.heapify(heap)
+        for j in range(topk, ni):
+            if key[j] > heap[0][0]:
+                heapq.heapreplace(heap, (key[j], j))
+        rows.append(sorted((j for _, j in heap), key=lambda j: (-key[j], j)))
     return rows
 
 
@@ -780,9 +792,16 @@ def test_topk_and_mapping_match_vllm_cpu_kernel():
     op = _vllm_op("topk_transform_512_cpu")
     g = torch.Generator().manual_seed(31)
     width, bs = 700, 64
-    lens = torch.tensor([0, 5, 511, 512, 513, 700, 650], dtype=torch.int32)
+    lens = torch.tensor([0, 5, 511, 512, 513, 700, 650, 700, 690, 600], dtype=torch.int32)
     t = len(lens)
     scores = (torch.randint(-50, 50, (t, width), generator=g).float() / 8).contiguous()  # ties
+    # The kernel's streaming-heap tie rule (see ix._stream_heap_select): an all-equal
+    # row keeps its first 512, -inf is an ordinary score, -0.0 ties +0.0.
+    scores[7] = 0.0
+    scores[8, :600] = float("-inf")
+    scores[9, ::2] = -0.0
+    scores[9, 1::2] = 0.0
+    scores[9, 650:] = 1.0
     pages = torch.stack([torch.randperm(40, generator=g)[:11] for _ in range(t)]).int()
     out_pages = torch.empty(t, 512, dtype=torch.int32)
     out_raw = torch.empty(t, 512, dtype=torch.int32)

@@ -46,6 +46,7 @@ DEFAULT_CHUNK_ELEMS = 1 << 22
 _Q_CHUNK_ELEMS = 1 << 18
 _MAX_ENTRY_CHUNK = 4096
 _INT64_MIN = -(2**63)
+_INT32_MIN = -(2**31)
 
 _arange_cache: dict[torch.device, torch.Tensor] = {}
 
@@ -444,10 +445,16 @@ def indexer_topk(
 
     - ``n <= topk``: the row is ``0, 1, .., n-1`` then ``-1`` (vLLM's
       short-context rule: every visible entry is selected, scores unused).
-    - ``n > topk``: the ``topk`` best entries by score, **sorted by score
-      descending, ties broken by the lower index** (the same tie rule as
-      vLLM's ``topk_transform_512_cpu``, whose output order is its heap's).
-      NaN scores rank as ``-inf``; ``-0.0`` ties ``+0.0``.
+    - ``n > topk``: the ``topk`` best entries by score, the **same set as
+      vLLM's C++ ``topk_transform_512_cpu``, ties included** (see
+      :func:`_stream_heap_select`: every entry above the k-th largest score
+      ``v``, plus the latest-indexed entries equal to ``v`` among those up to
+      the first prefix holding ``topk`` entries ``>= v``), returned **sorted
+      by score descending, equal scores by ascending index** (the C++ kernel
+      returns its heap's array order instead; consumers use the set).
+      ``-inf`` is an ordinary (lowest) score and ``-0.0`` ties ``+0.0``, as
+      in the kernel's float compares. NaN scores rank as ``-inf`` (the
+      kernel's heap has no defined result for NaN).
 
     Args:
         logits: ``[T, W]`` float32 (bf16/fp16 accepted) scores; columns
@@ -495,7 +502,7 @@ def indexer_topk(
 
     ar = _arange(max(topk, width), dev)
     ar_k = ar[:topk]
-    rev = (width - 1) - ar[:width]  # larger for lower j: ties go to lower j
+    rev = (width - 1) - ar[:width]  # larger for lower j: equal scores in index order
     need_rank = width > topk  # else every row has n <= width <= topk
     # On CPU the visible counts are free to read: rank only the columns a chunk
     # can see (the logits may be much wider than any row's n).
@@ -518,13 +525,79 @@ def indexer_topk(
         x = logits[t0:t1, :cols].to(torch.float32) + 0.0  # fresh copy; -0.0 -> +0.0
         x = torch.nan_to_num_(x, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
         bits = x.view(torch.int32)
-        # Order-preserving float32 -> int32 map (negative floats flip magnitude).
+        # Order-preserving float32 -> int32 map (negative floats flip magnitude);
+        # -inf maps above INT32_MIN, which then marks the invisible columns.
         key32 = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        key32.masked_fill_(ar[:cols].unsqueeze(0) >= n, _INT32_MIN)
+        # (score, lower index first) in one int64: the kernel's set wherever the
+        # k-th largest score v has no more copies than the slots left for it.
         key = (key32.to(torch.int64) << 32) | rev[:cols].unsqueeze(0)
-        key.masked_fill_(ar[:cols].unsqueeze(0) >= n, _INT64_MIN)
-        idx = torch.topk(key, topk, dim=1, largest=True, sorted=True).indices
+        top, idx = torch.topk(key, topk, dim=1, largest=True, sorted=True)
+        if host_n is None:
+            # No host sync off CPU: every row takes the exact tie rule.
+            _apply_tie_rule(key, key32, ar[:cols], topk, idx)
+        else:
+            v = (top[:, -1:] >> 32).to(torch.int32)
+            ambiguous = (key32 == v).sum(dim=1) > ((top >> 32) == v).sum(dim=1)
+            if bool(ambiguous.any()):
+                r = ambiguous.nonzero().squeeze(1)
+                sub = idx[r]
+                _apply_tie_rule(key[r], key32[r], ar[:cols], topk, sub)
+                idx[r] = sub
+        # Rows with n <= topk keep the fill (their selection above is garbage).
         o.copy_(torch.where(n > topk, idx, o))
     return out
+
+
+def _apply_tie_rule(
+    key: torch.Tensor, key32: torch.Tensor, ar: torch.Tensor, k: int, idx: torch.Tensor
+) -> None:
+    """Overwrite ``idx`` with the kernel's set (:func:`_stream_heap_select`), in
+    ``key`` order (score descending, equal scores by index); ``key`` is consumed."""
+    sel = _stream_heap_select(key32, ar, k)
+    key.masked_fill_(~sel, _INT64_MIN)
+    idx.copy_(torch.topk(key, k, dim=1, largest=True, sorted=True).indices)
+
+
+def _stream_heap_select(key: torch.Tensor, ar: torch.Tensor, k: int) -> torch.Tensor:
+    """The set vLLM's C++ top-k (``topk_transform_512_cpu``) keeps, as a mask.
+
+    The kernel streams a min-heap over a row: the first ``k`` entries fill
+    it; entry ``i >= k`` replaces the heap minimum only if strictly greater,
+    and the minimum it evicts is the lowest-indexed of the minimal scores
+    (the heap compares ``(score, index)``). Closed form, with ``v`` the k-th
+    largest score: entries ``> v`` all stay (one evicted would make the heap
+    minimum exceed ``v`` for good); the heap minimum first reaches ``v`` at
+    ``tau``, the first index whose prefix holds ``k`` entries ``>= v``.
+    Until then every entry equal to ``v`` gets in (the minimum is below
+    ``v``) and none is evicted; after it an entry equal to ``v`` is refused
+    and each entry ``> v`` evicts the lowest-indexed ``v`` left. So the
+    ``m = k - #(> v)`` entries equal to ``v`` that stay are the highest-
+    indexed ones at or before ``tau``. (Neither "lower index wins" nor
+    "higher index wins" alone: all-equal rows keep their first ``k``.)
+
+    Args:
+        key: ``[R, C]`` int32 order-preserving score keys; entries a row
+            cannot see hold ``INT32_MIN`` (below every score). The rule
+            holds for rows that see more than ``k`` entries; other rows get
+            some ``k`` entries (callers use their short-context fill).
+        ar: ``[C]`` int64 ``0..C-1``.
+        k: entries to keep (``< C``).
+
+    Returns:
+        ``[R, C]`` bool, exactly ``k`` True per row.
+    """
+    v = torch.topk(key, k, dim=1, largest=True, sorted=False).values.amin(dim=1, keepdim=True)
+    gt = key > v
+    eq = key == v
+    ge_count = torch.cumsum(gt | eq, dim=1, dtype=torch.int32)
+    # ge_count is non-decreasing: the first index reaching k is the count below k.
+    tau = (ge_count < k).sum(dim=1, keepdim=True)
+    entered = eq & (ar.unsqueeze(0) <= tau)
+    entered_count = torch.cumsum(entered, dim=1, dtype=torch.int32)
+    later = entered_count[:, -1:] - entered_count  # entered ties after j
+    keep = k - gt.sum(dim=1, keepdim=True, dtype=torch.int32)
+    return gt | (entered & (later < keep))
 
 
 def local_to_global(

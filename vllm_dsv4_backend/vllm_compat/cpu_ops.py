@@ -24,7 +24,8 @@ plugin): :mod:`~vllm_dsv4_backend.ops.reference` (sparse MLA),
 :mod:`~vllm_dsv4_backend.ops.rope` (q norm + RoPE + SWA insert, output
 de-rotation), :mod:`~vllm_dsv4_backend.ops.compressor`,
 :mod:`~vllm_dsv4_backend.ops.indexer`, and from vLLM's own torch references
-(``mhc_pre_torch`` / ``mhc_post_torch``); router and ``bmm`` are here.
+(``mhc_pre_torch`` / ``mhc_post_torch``, copied op for op so this module
+needs torch only); router and ``bmm`` are here.
 Conventions that differ from the C++ kernels only in internal layout:
 ``convert_weight_packed`` returns a plain contiguous copy and
 ``bmm_cpu(..., is_vnni=True)`` consumes exactly that (the pair is only
@@ -54,6 +55,7 @@ logger = init_logger(__name__)
 FALLBACK_FLAG = "__vllm_dsv4_fallback__"
 _FP8_DS_MLA_BYTES = 584
 _INDEXER_FP8_BYTES = 132
+_C4_TOPK = 512  # topk_transform_512_cpu's fixed k (kC4Topk)
 
 _lib: torch.library.Library | None = None
 _registered: list[str] = []
@@ -144,7 +146,8 @@ def fused_qnorm_rope_kv_insert_cpu(
     cache_block_size: int,
 ) -> torch.Tensor:
     """q: weight-free RMSNorm + GPT-J RoPE -> ``[T, q_head_padded, 512]`` (pad heads 0);
-    kv: GPT-J RoPE + fp8_ds_mla insert at ``slot_mapping`` (-1 skipped)."""
+    kv: GPT-J RoPE + fp8_ds_mla insert at ``slot_mapping`` (-1 skipped), with the C++
+    writer's flush of fp8 subnormals to signed zero (:func:`_flush_fp8_subnormals`)."""
     from vllm_dsv4_backend.ops import rope
 
     num_tokens = q.shape[0]
@@ -153,9 +156,44 @@ def fused_qnorm_rope_kv_insert_cpu(
     if slots.shape[0] < num_tokens:  # DP padding: tokens without a slot are not stored
         slots = torch.cat([slots, slots.new_full((num_tokens - slots.shape[0],), -1)])
     out_q = q.new_empty((num_tokens, q_head_padded, q.shape[2]))
-    return rope.qnorm_rope_kv_insert(
+    res = rope.qnorm_rope_kv_insert(
         q, kv, positions, cache, slots, cos_sin_cache, eps, out_q=out_q
     )
+    _flush_fp8_subnormals(swa_kv_cache_2d, kv[:num_tokens], slots[:num_tokens], cache_block_size)
+    return res
+
+
+def _flush_fp8_subnormals(
+    cache_2d: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, block_size: int
+) -> None:
+    """Write signed zero for every NoPE value whose scaled magnitude is below e4m3's
+    smallest normal (``2**-6``), in the entries just written at ``slots``.
+
+    vLLM's C++ SWA writer flushes those to zero *before* rounding (so a value just
+    below ``2**-6`` becomes ``-0``/``+0``, not the ``2**-6`` that round-to-nearest
+    gives), where ``formats.fp8_ds_mla`` (the plugin's own writer) keeps fp8
+    subnormals. This makes the fallback write the kernel's bytes (the golden
+    calls of tests/core/test_golden_kernels.py). The NoPE values are ``kv``'s
+    first 448 (RoPE touches only the last 64); entry ``t`` of a block row holds
+    their fp8 bytes at ``[576 t, 576 t + 448)`` and its 7 tile-scale exponent
+    bytes at ``[576 B + 8 t, 576 B + 8 t + 7)``.
+    """
+    rows = torch.nonzero(slots >= 0).squeeze(1)
+    if rows.numel() == 0:
+        return
+    valid = slots[rows].long()
+    blk = (valid // block_size).unsqueeze(1)
+    tok = (valid % block_size).unsqueeze(1)
+    dev = cache_2d.device
+    val_cols = tok * 576 + torch.arange(448, device=dev).unsqueeze(0)
+    scale_cols = 576 * block_size + tok * 8 + torch.arange(7, device=dev).unsqueeze(0)
+    exps = cache_2d[blk, scale_cols].to(torch.int32) - 127  # [n, 7] tile exponents
+    x = kv[rows, :448].float()
+    scaled = x.view(-1, 7, 64) * torch.exp2(-exps.float()).unsqueeze(-1)
+    tiny = (scaled.abs() < 2.0**-6).view(-1, 448)
+    vals = cache_2d[blk.expand_as(val_cols), val_cols]
+    signed_zero = torch.where(torch.signbit(x), 0x80, 0).to(torch.uint8)
+    cache_2d[blk.expand_as(val_cols), val_cols] = torch.where(tiny, signed_zero, vals)
 
 
 def inverse_gptj_rope_o_proj_cpu(
@@ -285,6 +323,56 @@ def compress_norm_rope_store_indexer_cpu(
     )
 
 
+def _mhc_pre(
+    residual: torch.Tensor,
+    fn: torch.Tensor,
+    hc_scale: torch.Tensor,
+    hc_base: torch.Tensor,
+    rms_eps: float,
+    hc_pre_eps: float,
+    hc_sinkhorn_eps: float,
+    hc_post_mult_value: float,
+    sinkhorn_repeat: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """vLLM 0.32's ``mhc_pre_torch`` (``model_executor/kernels/mhc/torch.py``), op
+    for op, so the result is unchanged; copied so this module needs torch only
+    (the golden-kernel tests run it where vLLM is not importable).
+
+    Returns ``(post [T, hc, 1] f32, comb [T, hc, hc] f32, layer_input [T, d])``.
+    """
+    hc_mult = residual.shape[-2]
+    hidden_size = residual.shape[-1]
+    residual_flat = residual.view(-1, hc_mult, hidden_size)
+    num_tokens = residual_flat.shape[0]
+    x = residual_flat.view(num_tokens, hc_mult * hidden_size).to(torch.float32)
+    mixes = torch.matmul(x, fn.t())
+    sqrsum = x.square().sum(dim=-1, keepdim=True)
+    mixes = mixes * torch.rsqrt(sqrsum / (hc_mult * hidden_size) + rms_eps)
+
+    pre_logits = mixes[:, :hc_mult] * hc_scale[0] + hc_base[:hc_mult]
+    pre_mix = torch.sigmoid(pre_logits) + hc_pre_eps
+    post_logits = (
+        mixes[:, hc_mult : 2 * hc_mult] * hc_scale[1] + hc_base[hc_mult : 2 * hc_mult]
+    )
+    post_mix = torch.sigmoid(post_logits) * hc_post_mult_value
+    comb_logits = mixes[:, 2 * hc_mult :].view(num_tokens, hc_mult, hc_mult) * hc_scale[
+        2
+    ] + hc_base[2 * hc_mult :].view(1, hc_mult, hc_mult)
+    comb_mix = torch.softmax(comb_logits, dim=-1) + hc_sinkhorn_eps
+    comb_mix = comb_mix / (comb_mix.sum(dim=-2, keepdim=True) + hc_sinkhorn_eps)
+    for _ in range(sinkhorn_repeat - 1):
+        comb_mix = comb_mix / (comb_mix.sum(dim=-1, keepdim=True) + hc_sinkhorn_eps)
+        comb_mix = comb_mix / (comb_mix.sum(dim=-2, keepdim=True) + hc_sinkhorn_eps)
+    layer_input = torch.sum(pre_mix.unsqueeze(-1) * residual_flat.to(torch.float32), dim=1).to(
+        residual.dtype
+    )
+    return (
+        post_mix.view(num_tokens, hc_mult, 1),
+        comb_mix.view(num_tokens, hc_mult, hc_mult),
+        layer_input.view(num_tokens, hidden_size),
+    )
+
+
 def hc_pre_fused_cpu(
     x: torch.Tensor,
     hc_fn: torch.Tensor,
@@ -297,14 +385,12 @@ def hc_pre_fused_cpu(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC pre: ``(layer_input [T, d] bf16, post [T, hc] f32, comb [T, hc, hc] f32)``.
 
-    vLLM's ``mhc_pre_torch`` with the C++ op's conventions: one ``hc_eps`` for
-    the pre and Sinkhorn epsilons and a post multiplier of 2.
+    vLLM's ``mhc_pre_torch`` (:func:`_mhc_pre`) with the C++ op's conventions:
+    one ``hc_eps`` for the pre and Sinkhorn epsilons and a post multiplier of 2.
     """
-    from vllm.model_executor.kernels.mhc.torch import mhc_pre_torch
-
     if x.dim() != 3 or x.shape[1] != hc_mult:
         raise ValueError(f"x: expected [T, hc_mult={hc_mult}, d], got {tuple(x.shape)}")
-    post, comb, layer_input = mhc_pre_torch(
+    post, comb, layer_input = _mhc_pre(
         x, hc_fn, hc_scale, hc_base, rms_eps, hc_eps, hc_eps, 2.0, sinkhorn_iters
     )
     return layer_input.contiguous(), post.reshape(x.shape[0], hc_mult).contiguous(), comb
@@ -313,10 +399,13 @@ def hc_pre_fused_cpu(
 def hc_post_fused_cpu(
     x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
 ) -> torch.Tensor:
-    """mHC post: ``comb^T @ residual + post * x`` -> ``[T, hc, d]`` in residual's dtype."""
-    from vllm.model_executor.kernels.mhc.torch import mhc_post_torch
-
-    return mhc_post_torch(x, residual, post.unsqueeze(-1), comb)
+    """mHC post: ``comb^T @ residual + post * x`` -> ``[T, hc, d]`` in residual's dtype
+    (vLLM 0.32's ``mhc_post_torch``, op for op)."""
+    mixed_residual = torch.einsum(
+        "...ij,...ih->...jh", comb.to(torch.float32), residual.to(torch.float32)
+    )
+    post_term = post.unsqueeze(-1).to(torch.float32) * x.unsqueeze(-2).to(torch.float32)
+    return (mixed_residual + post_term).to(residual.dtype)
 
 
 def hc_head_fused_cpu(
@@ -450,15 +539,38 @@ def topk_transform_512_cpu(
     out_raw_indices: torch.Tensor | None,
 ) -> None:
     """Causal top-512 of ``scores``: local ids into ``out_raw_indices``, global slots
-    (via the per-token ``page_tables``) into ``out_page_indices``."""
+    (via the per-token ``page_tables``) into ``out_page_indices``.
+
+    The C++ kernel's selection, ties included (``indexer.indexer_topk``: its
+    streaming-heap rule); the order within a row is score descending rather
+    than the kernel's heap order. Like the kernel: always 512 entries (columns
+    past 512 of wider outputs are left alone), ``seq_lens`` clamped to
+    ``[0, scores.shape[1]]``, rows with ``seq_len <= 512`` are ``0..seq_len-1``
+    then -1, and ``page = page_tables[t, j >> log2(page_size)] * page_size +
+    (j & (page_size - 1))`` (a page id past the table, which the kernel would
+    read out of bounds, gives -1).
+    """
     from vllm_dsv4_backend.ops import indexer
 
-    local = indexer.indexer_topk(scores, None, out_page_indices.shape[1], seq_lens=seq_lens)
+    if out_page_indices.dim() != 2 or out_page_indices.shape[1] < _C4_TOPK:
+        raise ValueError(
+            f"out_page_indices: expected [T, >= {_C4_TOPK}], got {tuple(out_page_indices.shape)}"
+        )
+    if page_size <= 0 or page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a positive power of 2, got {page_size}")
+    local = indexer.indexer_topk(scores, None, _C4_TOPK, seq_lens=seq_lens)
     if out_raw_indices is not None:
-        out_raw_indices.copy_(local)
-    rows = torch.arange(local.shape[0], device=local.device)
-    glob, _ = indexer.local_to_global(local, rows, page_tables, page_size)
-    out_page_indices.copy_(glob)
+        out_raw_indices[:, :_C4_TOPK].copy_(local)
+    j = local.long()
+    page_idx = j.clamp(min=0) // page_size
+    ok = (j >= 0) & (page_idx < page_tables.shape[1])
+    if page_tables.shape[1] == 0:
+        out_page_indices[:, :_C4_TOPK].fill_(-1)
+        return
+    rows = torch.arange(local.shape[0], device=local.device).unsqueeze(1)
+    pages = page_tables[rows, page_idx.clamp(max=page_tables.shape[1] - 1)].long()
+    glob = pages * page_size + (j & (page_size - 1))
+    out_page_indices[:, :_C4_TOPK].copy_(glob.masked_fill_(~ok, -1))
 
 
 @dataclass(frozen=True)
