@@ -156,6 +156,26 @@ def workspace_manager_for(vllm_config: Any, layer: DSV4CPUAttention) -> Workspac
         return manager
 
 
+def _sparse_mla_path(kernel: str) -> str:
+    """The layer's sparse-MLA path for ``VLLM_DSV4_KERNEL``: ``"torch"`` (the
+    plugin's), or ``"vllm_cpu"`` (the op vLLM's layer calls: the real C++
+    kernel, or the plugin's registered fallback where the library lacks it)."""
+    if kernel == "torch":
+        return "torch"
+    if kernel == "flashmla":
+        raise ValueError(
+            "VLLM_DSV4_KERNEL=flashmla needs a CUDA GPU; on CPU use one of "
+            "['auto', 'torch', 'vllm_cpu']"
+        )
+    if kernel == "vllm_cpu" and cpu_ops.is_fallback("flash_mla_with_kvcache_cpu"):
+        raise RuntimeError(
+            "VLLM_DSV4_KERNEL=vllm_cpu, but vLLM's C++ flash_mla_with_kvcache_cpu is not "
+            "loaded on this CPU (it exists only in vLLM's AVX512-BF16/AMX library; the "
+            "plugin registered its torch fallback); use auto or torch"
+        )
+    return "vllm_cpu"
+
+
 class DSV4Compressor(DeepseekV4CPUCompressor):
     """vLLM's CPU compressor for the indexer branch of an MXFP4 indexer cache.
 
@@ -280,7 +300,7 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         # "torch" forces the plugin's torch sparse MLA; anything else calls
         # the op vLLM's layer calls (the real C++ kernel, or its registered
         # fallback on CPUs without AVX512-BF16).
-        self._sparse_mla = "torch" if envs.VLLM_DSV4_KERNEL == "torch" else "vllm_cpu"
+        self._sparse_mla = _sparse_mla_path(envs.VLLM_DSV4_KERNEL)
         self._path_logged = False
         # The model's first attention layer starts each step (clears the step tables).
         self._first_layer = next(iter(self._workspace.layers)) == self.prefix
