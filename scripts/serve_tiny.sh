@@ -3,6 +3,8 @@
 # The README's main job: set up .venv (scripts/setup.sh), then serve the tiny
 # DeepSeek-V4 (configs/tiny-dsv4, seeded dummy weights) through vLLM with this
 # plugin on CPU at http://127.0.0.1:${PORT:-8000}/v1 (model name "tiny-dsv4").
+# What is served is configs/serve/tiny-dsv4-cpu.yaml (FLASHMLA_SPARSE_DSV4, fp8
+# KV cache, seeded dummy weights, eager, seed 0).
 #
 #   bash scripts/serve_tiny.sh                       # foreground; Ctrl-C stops it
 #   PORT=8011 bash scripts/serve_tiny.sh --max-num-seqs 4   # extra args go to vllm serve
@@ -29,15 +31,9 @@ mkdir -p "$SCRATCH/tmp" "$SCRATCH/cache/vllm"
 export TMPDIR=$SCRATCH/tmp
 export VLLM_CACHE_ROOT=$SCRATCH/cache/vllm
 
-exec "$ROOT/.venv/bin/vllm" serve "$ROOT/configs/tiny-dsv4" \
-  --attention-backend FLASHMLA_SPARSE_DSV4 \
-  --kv-cache-dtype fp8 \
-  --load-format dummy \
-  --tokenizer-mode hf \
-  --max-model-len 4096 \
-  --enforce-eager \
+# The one tiny-server definition (also used by vllm-dsv4-run and the tests);
+# its model path is relative to the repo root, where this script runs.
+exec "$ROOT/.venv/bin/vllm" serve --config "$ROOT/configs/serve/tiny-dsv4-cpu.yaml" \
   --host 127.0.0.1 \
   --port "${PORT:-8000}" \
-  --served-model-name tiny-dsv4 \
-  --generation-config vllm \
   "$@"

@@ -3,8 +3,21 @@
 # The README's test command: sets up .venv if anything is missing, then runs
 # the whole suite (core, real-vLLM engine/server, lm_eval; GPU tests skip on CPU).
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh tests/core -k mxfp4`.
+# Without arguments it then runs tests/core again with `import vllm` blocked
+# (vllm_dsv4_backend/testing/no_vllm.py), the proof that core is torch-only;
+# the script fails if either run fails (the first run's exit code wins).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 source scripts/env.sh
-exec .venv/bin/python -m pytest -ra "${@:-tests}"
+if [ $# -gt 0 ]; then
+  exec .venv/bin/python -m pytest -ra "$@"
+fi
+rc=0
+.venv/bin/python -m pytest -ra tests || rc=$?
+core_rc=0
+echo "== tests/core again with import vllm blocked (DSV4_CORE_NO_VLLM=1)"
+DSV4_CORE_NO_VLLM=1 .venv/bin/python -m pytest -ra -p vllm_dsv4_backend.testing.no_vllm tests/core \
+  || core_rc=$?
+if [ "$rc" -ne 0 ]; then exit "$rc"; fi
+exit "$core_rc"

@@ -8,6 +8,9 @@ key at argument parsing (``Unexpected keyword argument``, exit 2), which
 breaks every published DeepSeek-V4 serve command. We translate it before
 vLLM validates: ``true`` -> ``indexer_kv_dtype="mxfp4"``, ``false`` -> ``"fp8"``,
 and refuse a contradiction with an explicit ``indexer_kv_dtype``.
+
+The three hooks (``attention_config_json``, ``attention_config_init``,
+``llm_attention_config``) are entries of :mod:`vllm_dsv4_backend.vllm_compat.patches`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import argparse
 import functools
 import json
 import sys
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 LEGACY_KEY = "use_fp4_indexer_cache"
@@ -79,65 +84,77 @@ def _normalize_json(val: str) -> str:
     return val
 
 
-def install() -> list[str]:
-    """Patch vLLM's two entry points for attention configs; idempotent.
+def install_json_hook(arg_utils: ModuleType, on_applied: Callable[[str], None]) -> bool:
+    """CLI / ``--config`` YAML: map the legacy key in ``--attention-config`` JSON,
+    which goes through ``arg_utils._expand_json_human_readable_numbers`` right
+    before pydantic validates it. False if already in place (``hooks.is_port``)."""
+    from vllm_dsv4_backend.vllm_compat import hooks
 
-    - CLI / ``--config`` YAML: ``--attention-config`` JSON goes through
-      ``arg_utils._expand_json_human_readable_numbers`` right before pydantic
-      validates it.
-    - Python: ``AttentionConfig(**dict)`` (``LLM(attention_config={...})``).
-
-    Returns the names of what was patched.
-    """
-    from vllm.config.attention import AttentionConfig
-    from vllm.engine import arg_utils
-
-    patched: list[str] = []
-    expand = getattr(arg_utils, "_expand_json_human_readable_numbers", None)
-    if expand is None:
-        raise RuntimeError(
-            "vllm_dsv4_backend: vllm.engine.arg_utils._expand_json_human_readable_numbers "
-            "is missing in this vLLM; cannot accept --attention-config "
-            f"'{{\"{LEGACY_KEY}\":true}}'. Use indexer_kv_dtype instead."
+    symbol = "_expand_json_human_readable_numbers"
+    if not hasattr(arg_utils, symbol):
+        raise hooks.fail(
+            f"{arg_utils.__name__}.{symbol}",
+            f"missing, so --attention-config '{{\"{LEGACY_KEY}\":true}}' cannot be accepted "
+            "(use indexer_kv_dtype instead)",
         )
-    if not getattr(expand, "_dsv4_patched", False):
+    expand = getattr(arg_utils, symbol)
 
-        @functools.wraps(expand)
-        def expand_and_normalize(val: str) -> str:
-            return _normalize_json(expand(val))
+    @functools.wraps(expand)
+    def expand_and_normalize(val: str) -> str:
+        return _normalize_json(expand(val))
 
-        expand_and_normalize._dsv4_patched = True  # type: ignore[attr-defined]
-        arg_utils._expand_json_human_readable_numbers = expand_and_normalize
-    patched.append("attention-config JSON")
-
-    init = AttentionConfig.__init__
-    if not getattr(init, "_dsv4_patched", False):
-
-        @functools.wraps(init)
-        def init_normalized(self, *args: Any, **kwargs: Any) -> None:
-            if LEGACY_KEY in kwargs:
-                kwargs = normalize_attention_config(kwargs)
-            init(self, *args, **kwargs)
-
-        init_normalized._dsv4_patched = True  # type: ignore[attr-defined]
-        AttentionConfig.__init__ = init_normalized  # type: ignore[method-assign]
-    patched.append("AttentionConfig(use_fp4_indexer_cache=...)")
-
-    # LLM(attention_config={...}) filters the dict through is_init_field(),
-    # which raises before AttentionConfig sees it. LLM() loads plugins only
-    # after that, so this helps callers that loaded plugins themselves
-    # (vllm.plugins.load_general_plugins()) after importing LLM.
-    llm_module = sys.modules.get("vllm.entrypoints.llm")
-    if llm_module is not None:
-        _patch_llm(llm_module)
-        patched.append("LLM(attention_config={...})")
-    return patched
+    if not hooks.replace_attr(arg_utils, symbol, expand_and_normalize, expected_params=("val",)):
+        return False
+    on_applied("config:attention-config JSON")
+    return True
 
 
-def _patch_llm(module: Any) -> None:
-    llm_init = module.LLM.__init__
-    if getattr(llm_init, "_dsv4_patched", False):
-        return
+def install_init_hook(arg_utils: ModuleType, on_applied: Callable[[str], None]) -> bool:
+    """Python: ``AttentionConfig(**dict)`` (``LLM(attention_config={...})`` ends
+    here too). False if already in place."""
+    from vllm.config import attention as attention_module
+
+    from vllm_dsv4_backend.vllm_compat import hooks
+
+    symbol = "AttentionConfig.__init__"
+    _, _, init = hooks.resolve(attention_module, symbol)
+    if hooks.is_port(init):
+        return False
+    fields = getattr(attention_module.AttentionConfig, "__dataclass_fields__", {})
+    if "indexer_kv_dtype" not in fields:
+        raise hooks.fail(f"{attention_module.__name__}.AttentionConfig",
+                         "has no indexer_kv_dtype field to map use_fp4_indexer_cache onto")
+    hooks.check_accepts_keyword(f"{attention_module.__name__}.{symbol}", init,
+                                "indexer_kv_dtype")
+
+    @functools.wraps(init)
+    def init_normalized(self, *args: Any, **kwargs: Any) -> None:
+        if LEGACY_KEY in kwargs:
+            kwargs = normalize_attention_config(kwargs)
+        init(self, *args, **kwargs)
+
+    hooks.replace_attr(attention_module, symbol, init_normalized)
+    on_applied("config:AttentionConfig(use_fp4_indexer_cache=...)")
+    return True
+
+
+def install_llm_hook(arg_utils: ModuleType, on_applied: Callable[[str], None]) -> bool:
+    """``LLM(attention_config={...})`` filters the dict through
+    ``is_init_field()``, which raises before ``AttentionConfig`` sees it.
+    ``LLM()`` loads plugins only after that, so this helps callers that loaded
+    plugins themselves (``vllm.plugins.load_general_plugins()``) after
+    importing ``LLM``: applied only if ``vllm.entrypoints.llm`` is already
+    imported when ``arg_utils`` is. False if not applied."""
+    from vllm_dsv4_backend.vllm_compat import hooks
+
+    module = sys.modules.get("vllm.entrypoints.llm")
+    if module is None:
+        return False
+    symbol = "LLM.__init__"
+    _, _, llm_init = hooks.resolve(module, symbol)
+    if hooks.is_port(llm_init):
+        return False
+    hooks.check_accepts_keyword(f"{module.__name__}.{symbol}", llm_init, "attention_config")
 
     @functools.wraps(llm_init)
     def init_normalized(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -146,5 +163,37 @@ def _patch_llm(module: Any) -> None:
             kwargs["attention_config"] = normalize_attention_config(cfg)
         llm_init(self, *args, **kwargs)
 
-    init_normalized._dsv4_patched = True  # type: ignore[attr-defined]
-    module.LLM.__init__ = init_normalized
+    hooks.replace_attr(module, symbol, init_normalized)
+    on_applied("config:LLM(attention_config={...})")
+    return True
+
+
+def install() -> list[str]:
+    """Apply this module's three registry patches now (idempotent); return what
+    is in place. ``plugin.register()`` arms them instead (:mod:`.vllm_compat.patches`)."""
+    from vllm_dsv4_backend.vllm_compat import patches
+
+    patches.apply("attention_config_json")
+    patches.apply("attention_config_init")
+    patched = ["attention-config JSON", "AttentionConfig(use_fp4_indexer_cache=...)"]
+    patches.apply("llm_attention_config")
+    if "vllm.entrypoints.llm" in sys.modules:
+        patched.append("LLM(attention_config={...})")
+    return patched
+
+
+def mxfp4_arch_error(capability: int | None, device_name: str | None) -> str | None:
+    """The startup error for ``indexer_kv_dtype="mxfp4"`` (what
+    ``use_fp4_indexer_cache=true`` maps to) on a CUDA GPU outside the SM100
+    family, or None where it is supported. ``capability`` is
+    ``major * 10 + minor`` (90 = H100/H200, 100 = B200/GB200)."""
+    if capability is not None and capability // 10 == 10:
+        return None
+    cc = "unknown" if capability is None else f"{capability // 10}.{capability % 10}"
+    return (
+        f"{LEGACY_KEY}=true / indexer_kv_dtype='mxfp4' (the MXFP4 indexer cache) needs an "
+        f"SM100-family GPU (compute capability 10.x: B200, GB200, B300); this GPU is "
+        f"{device_name or 'unknown'} (compute capability {cc}). Supported here: "
+        f"indexer_kv_dtype 'fp8' or 'auto' (= fp8), i.e. drop {LEGACY_KEY} or set it to "
+        "false."
+    )

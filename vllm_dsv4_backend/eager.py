@@ -174,6 +174,7 @@ def attend(
     compressed_indices: torch.Tensor | None = None,
     compressed_lens: torch.Tensor | None = None,
     scratch: torch.Tensor | None = None,
+    kernel: str | None = None,
 ) -> None:
     """Sparse MLA of ``T`` tokens over their window and compressed entries,
     one softmax with the sink, written into ``out``.
@@ -187,6 +188,7 @@ def attend(
         out: ``[T, Hp, 512]`` bf16.
         scratch: optional uint8 buffer for the torch path's intermediates
             (``ops.decode_scratch_nbytes``); with it the call allocates nothing.
+        kernel: the sparse-MLA path (``ops.kernel_path``); None: the setting.
     """
     ops.sparse_mla_decode(
         q.unsqueeze(1),
@@ -201,4 +203,5 @@ def attend(
         out=out.unsqueeze(1),
         need_lse=False,
         scratch=scratch,
+        kernel=kernel,
     )

@@ -6,12 +6,15 @@ vLLM's CPU platform ignores ``--attention-backend`` for ordinary models (it
 logs "Cannot use ... backend on CPU" and serves with CPU_ATTN), and a CUDA
 build would try to build a generic layer on a DeepSeek-V4-only backend. A
 user who asked for this backend on another architecture gets a clear
-startup error instead, before anything is served.
+startup error instead, before anything is served. The hook is the
+``architecture_check`` entry of :mod:`vllm_dsv4_backend.vllm_compat.patches`.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 BACKEND_NAME = "FLASHMLA_SPARSE_DSV4"
@@ -36,19 +39,32 @@ def check_architecture(vllm_config: Any) -> None:
     )
 
 
+def install_hook(arg_utils: ModuleType, on_applied: Callable[[str], None]) -> bool:
+    """Check the architecture when vLLM builds its engine config
+    (``EngineArgs.create_engine_config``); False if already in place."""
+    from vllm_dsv4_backend.vllm_compat import hooks
+
+    symbol = "EngineArgs.create_engine_config"
+    _, _, create = hooks.resolve(arg_utils, symbol)
+    if hooks.is_port(create):
+        return False
+
+    @functools.wraps(create)
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        config = create(self, *args, **kwargs)
+        check_architecture(config)
+        return config
+
+    hooks.replace_attr(arg_utils, symbol, create_engine_config,
+                       expected_params=("usage_context", "headless"))
+    on_applied(f"config:{BACKEND_NAME} architecture check")
+    return True
+
+
 def install() -> str:
-    """Check the architecture when vLLM builds its engine config; idempotent."""
-    from vllm.engine.arg_utils import EngineArgs
+    """Apply the ``architecture_check`` registry patch now (idempotent).
+    ``plugin.register()`` arms it instead (:mod:`.vllm_compat.patches`)."""
+    from vllm_dsv4_backend.vllm_compat import patches
 
-    create = EngineArgs.create_engine_config
-    if not getattr(create, "_dsv4_patched", False):
-
-        @functools.wraps(create)
-        def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
-            config = create(self, *args, **kwargs)
-            check_architecture(config)
-            return config
-
-        create_engine_config._dsv4_patched = True  # type: ignore[attr-defined]
-        EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
+    patches.apply("architecture_check")
     return f"{BACKEND_NAME} architecture check"

@@ -104,68 +104,28 @@ def _select_attention_layer(platform: str) -> str:
     from vllm_dsv4_backend.vllm_compat import attention
 
     impl = envs.VLLM_DSV4_ATTN_IMPL
-    vllm_layer = {"cpu": "DeepseekV4CPUAttention", "cuda": "_select_dsv4_attn_cls"}.get(
+    vllm_layer = {"cpu": "DeepseekV4CPUAttention", "cuda": "DeepseekV4FlashMLAAttention"}.get(
         platform, "default"
     )
     if impl == "vllm":
         return f"vllm {vllm_layer} (VLLM_DSV4_ATTN_IMPL=vllm)"
-    factory = attention.find_plugin_layer(platform) if platform in ("cpu", "cuda") else None
-    if factory is None:
+    # The layer package is imported directly (it is cheap: each platform's module is
+    # imported only when the model module is, through the factory below).
+    from vllm_dsv4_backend import layer as plugin_layer
+
+    if platform not in plugin_layer.PLATFORMS:
         if impl == "plugin":
             raise RuntimeError(
                 "VLLM_DSV4_ATTN_IMPL=plugin but the plugin ships no DeepSeek-V4 attention "
-                f"layer for platform {platform!r} ({attention.LAYER_MODULE}."
-                f"{attention.LAYER_FACTORY} not found); use VLLM_DSV4_ATTN_IMPL=vllm"
+                f"layer for platform {platform!r} (supported: {sorted(plugin_layer.PLATFORMS)}); "
+                "use VLLM_DSV4_ATTN_IMPL=vllm"
             )
-        return f"vllm {vllm_layer} (no {attention.LAYER_MODULE} yet)"
+        return f"vllm {vllm_layer} (no plugin layer for {platform})"
     attention.install_attention_layer(
-        factory, platform=platform, on_applied=_on_applied, optional=impl == "auto"
+        lambda: plugin_layer.get_attention_layer_cls(platform), platform=platform,
+        on_applied=_on_applied, optional=impl == "auto",
     )
     return f"plugin {attention.LAYER_MODULE} (VLLM_DSV4_ATTN_IMPL={impl})"
-
-
-def _arm_completeness_check(kernel_modules: list[str]) -> None:
-    """Once the CPU model module is imported, every kernel patch must have run."""
-    from vllm_dsv4_backend.vllm_compat import attention, hooks
-
-    def check(_module: Any) -> None:
-        missing = [m for m in hooks.pending() if m in kernel_modules]
-        if missing:
-            raise hooks.fail(
-                attention.CPU_MODULE,
-                f"the DeepSeek-V4 CPU model was imported but the patched modules {missing} "
-                "were not, so their Triton kernels were not replaced",
-            )
-
-    hooks.when_imported(attention.CPU_MODULE, check)
-
-
-def _arm_cpu_op_fallbacks() -> None:
-    """Torch fallbacks for DeepSeek-V4 C++ ops absent from vLLM's loaded CPU library.
-
-    Armed on the import of the DeepSeek-V4 CPU model, i.e. after vLLM loaded its
-    kernel library (see :mod:`vllm_dsv4_backend.vllm_compat.cpu_ops`).
-    """
-    from vllm_dsv4_backend.vllm_compat import attention, cpu_ops, hooks
-
-    def install(_module: Any) -> None:
-        names = cpu_ops.register_missing()
-        if names:
-            _on_applied(f"cpu_ops:{len(names)} torch fallbacks:{','.join(names)}")
-
-    hooks.when_imported(attention.CPU_MODULE, install)
-
-
-def _arm_config_hooks() -> None:
-    """Where vLLM parses and builds its config (the front end): accept
-    ``use_fp4_indexer_cache`` and refuse this backend for other architectures."""
-    from vllm_dsv4_backend import attention_config, guards
-    from vllm_dsv4_backend.vllm_compat import hooks
-
-    def install(_module: Any) -> None:
-        _on_applied("config:" + ", ".join([*attention_config.install(), guards.install()]))
-
-    hooks.when_imported("vllm.engine.arg_utils", install)
 
 
 def register() -> None:
@@ -177,7 +137,7 @@ def register() -> None:
         attach_to_vllm()
         import vllm
 
-        from vllm_dsv4_backend.vllm_compat import kernels, loader, version
+        from vllm_dsv4_backend.vllm_compat import patches, version
 
         vllm_version = str(vllm.__version__)
         version.check_vllm_version(vllm_version)
@@ -192,16 +152,8 @@ def register() -> None:
             vllm_version=vllm_version,
             platform=platform,
         )
-        armed: list[str] = []
-        if platform == "cpu":
-            armed += kernels.arm_cpu_patches(_on_applied)
-            _arm_completeness_check(kernels.kernel_modules())
-            _arm_cpu_op_fallbacks()
-            armed.append("cpu-op-fallbacks")
-        loader.arm_dummy_loader_hook(_on_applied)
-        armed.append("dummy-init")
-        _arm_config_hooks()
-        armed += ["use_fp4_indexer_cache", "architecture-check"]
+        # Every patch of vLLM is an entry of the registry (vllm_compat.patches).
+        armed = patches.arm(platform, _on_applied)
         layer = _select_attention_layer(platform)
         _state.update(armed=armed, attention_layer=layer)
         _REGISTERED = True

@@ -228,7 +228,7 @@ def test_e2e_orchestration_with_fake_servers(tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """--e2e without vLLM: both servers up, alternating rounds, paired ratios, policy check."""
     pytest.importorskip("yaml")
-    from vllm_dsv4_backend import runner as R
+    from vllm_dsv4_backend import run as R
     from vllm_dsv4_backend.bench import e2e as E
 
     order: list[str] = []

@@ -8,9 +8,10 @@ Oracles:
   ``[:d]``, RMSNorm, GPT-J RoPE at the window start), computed from the raw per-token kv/score/ape,
   not from the state cache;
 - test-local byte decoders/encoders of the 132 B / 68 B / 584 B layouts;
-- vLLM's C++ CPU ops (``save_partial_states_cpu``, ``compress_norm_rope_store[_indexer]_cpu``)
-  when the installed vLLM build has them (they exist only in the AVX512-BF16 ``_C`` build; on
-  other CPUs vLLM loads ``_C_AVX2``/``_C_AVX512`` without them and those tests skip).
+- a scalar transliteration of vLLM's C++ CPU ops (``save_partial_states_cpu``,
+  ``compress_norm_rope_store[_indexer]_cpu``); tests/vllm/test_compressor_vllm_ops.py runs the
+  same tests against the real ops when the installed vLLM build has them (this module never
+  imports vLLM).
 """
 
 from __future__ import annotations
@@ -635,21 +636,11 @@ class ScalarCpuOps:
             kv2d[blk, B * 576 + off * 8 + 7] = 0
 
 
-def _vllm_ops():
-    pytest.importorskip("vllm")
-    import vllm._custom_ops  # noqa: F401  (loads the platform's _C library)
-
-    names = ("save_partial_states_cpu", "compress_norm_rope_store_cpu",
-             "compress_norm_rope_store_indexer_cpu")
-    if not all(hasattr(torch.ops._C, n) for n in names):
-        pytest.skip("this vLLM build lacks the DeepSeek-V4 CPU compressor ops (they are only in "
-                    "the AVX512-BF16 _C library)")
-    return torch.ops._C
-
-
-@pytest.fixture(params=["scalar", pytest.param("vllm", marks=pytest.mark.vllm)])
-def cpu_ops(request):
-    return ScalarCpuOps if request.param == "scalar" else _vllm_ops()
+@pytest.fixture
+def cpu_ops():
+    """The scalar transliteration (torch only). tests/vllm/test_compressor_vllm_ops.py runs
+    the same ``*_cpu_op`` tests against vLLM's C++ ops, where the build has them."""
+    return ScalarCpuOps
 
 
 def _cpp_writer(ops):

@@ -14,7 +14,7 @@ from oracle import assert_flashmla_close, sparse_decode_ref
 
 from vllm_dsv4_backend import ops
 from vllm_dsv4_backend.formats import fp8_ds_mla
-from vllm_dsv4_backend.ops import reference
+from vllm_dsv4_backend.ops import torch_sparse_mla
 
 
 def _poisoned_cache(num_blocks, block_size, named, g):
@@ -49,10 +49,10 @@ def test_prefill_shaped_decode_matches_oracle(monkeypatch, sink):
     s[0] = 0.5
     win_lens = torch.full((t,), window, dtype=torch.int32)
 
-    monkeypatch.setattr(reference, "DEDUP_MIN_ENTRIES", 1)
+    monkeypatch.setattr(torch_sparse_mla, "DEDUP_MIN_ENTRIES", 1)
     calls = []
-    orig = reference._decode_deduplicated
-    monkeypatch.setattr(reference, "_decode_deduplicated",
+    orig = torch_sparse_mla._decode_deduplicated
+    monkeypatch.setattr(torch_sparse_mla, "_decode_deduplicated",
                         lambda *a, **k: calls.append(1) or orig(*a, **k))
     out, lse = ops.sparse_mla_decode(q, c1, win.view(t, 1, window), win_lens, s, 512**-0.5,
                                      c2, comp.view(t, 1, 64), comp_lens)

@@ -2,10 +2,10 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The user-facing configs and ``vllm-dsv4-run`` pieces that need no server.
 
-- every serve config parses with vLLM's own ``vllm serve`` parser (when vLLM
-  is installed) and says what the issue asks (TP4, EP, FLASHMLA_SPARSE_DSV4, ...);
-- bench configs parse with ``vllm bench serve``'s parser, lm_eval commands with
-  lm_eval's parser (when installed); the YAML -> flags expansion equals vLLM's;
+- every serve config says what the issue asks (TP4, EP, FLASHMLA_SPARSE_DSV4, ...);
+  that vLLM's own parsers accept them is tests/vllm/test_runner_vllm.py (this
+  module is torch-only: it never imports vLLM);
+- lm_eval commands parse with lm_eval's parser (when installed);
 - the gsm8k gate's numbers (baseline, binomial stderr, threshold) and the gate
   and bench-comparison math, including the edges (exact threshold, missing
   metrics, two-sided, zero baselines);
@@ -29,7 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_dsv4_backend import runner as R
+from vllm_dsv4_backend import run as R
+from vllm_dsv4_backend.run.config import _get
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
@@ -60,8 +61,8 @@ def test_serve_config_loads(path: Path) -> None:
     # Keys must be vLLM flag names, dash form, never the runner's host/port.
     for key in cfg.raw:
         assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", key), key
-    assert R._get(cfg.raw, "attention-backend") == "FLASHMLA_SPARSE_DSV4"
-    assert R._get(cfg.raw, "kv-cache-dtype") == "fp8"
+    assert _get(cfg.raw, "attention-backend") == "FLASHMLA_SPARSE_DSV4"
+    assert _get(cfg.raw, "kv-cache-dtype") == "fp8"
 
 
 @pytest.mark.parametrize("path", [FP4, FP8], ids=lambda p: p.stem)
@@ -97,96 +98,6 @@ def test_tiny_serve_config_resolves_model_from_anywhere(tmp_path: Path, monkeypa
         assert cmd[5:] == ["--config", str(TINY), "--host", "127.0.0.1", "--port", "8123", "--x"]
 
 
-def _vllm_serve_parser():
-    """The parser `vllm serve` uses (vllm/entrypoints/cli/main.py), built the same way."""
-    pytest.importorskip("vllm")
-    import vllm.entrypoints.cli.serve as serve_mod
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = FlexibleArgumentParser(prog="vllm")
-    sub = parser.add_subparsers(required=False, dest="subparser")
-    for cmd in serve_mod.cmd_init():
-        cmd.subparser_init(sub).set_defaults(dispatch_function=cmd.cmd)
-    return parser, serve_mod
-
-
-def _parse_serve(path: Path, *extra: str):
-    """Parse like `vllm serve --config PATH ...` (no EngineArgs: offline, that would try
-    to resolve the HF model id)."""
-    parser, serve_mod = _vllm_serve_parser()
-    args = parser.parse_args(["serve", "--config", str(path), *extra])
-    serve_mod.ServeSubcommand().validate(args)
-    return args
-
-
-@pytest.mark.vllm
-@pytest.mark.parametrize("path", [FP8, TINY], ids=lambda p: p.stem)
-def test_serve_config_parses_with_vllm(path: Path) -> None:
-    ea = _parse_serve(path, "--host", "127.0.0.1", "--port", "8123")
-    raw = R.load_serve_config(path).raw
-    assert ea.model == raw["model"]
-    assert str(ea.attention_backend).endswith("FLASHMLA_SPARSE_DSV4") or (
-        getattr(ea.attention_backend, "name", None) == "FLASHMLA_SPARSE_DSV4"
-    )
-    assert ea.kv_cache_dtype == "fp8"
-    assert ea.tokenizer_mode == raw["tokenizer-mode"]
-    assert ea.port == 8123 and ea.host == "127.0.0.1"
-    if path == FP8:
-        assert ea.tensor_parallel_size == 4 and ea.enable_expert_parallel is True
-        assert ea.all2all_backend == "allgather_reducescatter"
-        assert ea.attention_config.indexer_kv_dtype == "fp8"
-    else:
-        assert ea.load_format == "dummy" and ea.enforce_eager is True
-        assert ea.max_model_len == 4096
-
-
-@pytest.mark.vllm
-def test_fp4_serve_config_parses_with_vllm_and_plugin() -> None:
-    """The issue's `use_fp4_indexer_cache` spelling works only through the plugin's
-    mapping (vLLM >= 0.32 rejects the key); with it, the indexer cache is MXFP4."""
-    _vllm_serve_parser()  # loads the general plugins, ours included
-    from vllm.engine import arg_utils
-
-    assert getattr(arg_utils._expand_json_human_readable_numbers, "_dsv4_patched", False), (
-        "register() must install the use_fp4_indexer_cache mapping"
-    )
-    ea = _parse_serve(FP4)
-    assert ea.tensor_parallel_size == 4 and ea.enable_expert_parallel is True
-    assert ea.attention_config.indexer_kv_dtype == "mxfp4"
-
-
-@pytest.mark.vllm
-def test_cli_overrides_config_like_vllm_says() -> None:
-    """Precedence cli > config: the runner's --host/--port and --serve-arg rely on it."""
-    ea = _parse_serve(TINY, "--max-model-len", "1024")
-    assert ea.max_model_len == 1024
-
-
-@pytest.mark.vllm
-def test_yaml_to_flags_matches_vllm_load_config_file(tmp_path: Path) -> None:
-    pytest.importorskip("vllm")
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    cfg = {
-        "num-prompts": 4,
-        "ignore-eos": True,
-        "temperature": 0,
-        "metric-percentiles": "50,99",
-        "extra-body": {"a": 1, "b": [1, 2]},
-        "goodput": ["ttft:100", "tpot:20"],
-    }
-    p = tmp_path / "c.yaml"
-    import yaml
-
-    p.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    assert R.yaml_to_flags(cfg) == FlexibleArgumentParser().load_config_file(str(p))
-    for path in BENCH_CONFIGS:
-        args = R.load_bench_config(path).args
-        q = tmp_path / path.name
-        q.write_text(yaml.safe_dump(args, sort_keys=False))
-        assert R.yaml_to_flags(args) == FlexibleArgumentParser().load_config_file(str(q))
-
-
 def test_yaml_to_flags_rules_and_errors() -> None:
     assert R.yaml_to_flags({"a": True, "b": False, "c": [1, "x"], "d": {"k": 1}, "e": 0.5}) == [
         "--a", "--c", "1", "x", "--d", '{"k": 1}', "--e", "0.5",
@@ -216,42 +127,6 @@ def test_serve_config_errors(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- bench configs
-
-
-def _bench_parse(cmd: list[str]):
-    pytest.importorskip("vllm")
-    from vllm.benchmarks.serve import add_cli_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    assert cmd[1:6] == ["-m", "vllm.entrypoints.cli.main", "bench", "serve", cmd[5]]
-    parser = FlexibleArgumentParser()
-    add_cli_args(parser)
-    return parser.parse_args(cmd[5:])
-
-
-@pytest.mark.vllm
-@pytest.mark.parametrize("name,conc", [("decode-heavy", 1), ("throughput", 32)])
-def test_bench_config_parses_with_vllm_bench(name: str, conc: int, tmp_path: Path) -> None:
-    bench = R.load_bench_config(CONFIGS / "bench" / f"{name}.yaml")
-    serve = R.load_serve_config(FP4)
-    cmd = R.build_bench_command(
-        bench, base_url="http://127.0.0.1:8123/", model_name=serve.served_model_name,
-        tokenizer=serve.tokenizer, tokenizer_mode=serve.tokenizer_mode, result_dir=tmp_path,
-        result_filename="r.json",
-    )  # fmt: skip
-    a = _bench_parse(cmd)
-    assert (a.dataset_name, a.random_input_len, a.random_output_len) == ("random", 2, 2048)
-    assert a.max_concurrency == conc
-    assert a.num_warmups == 2 and a.ignore_eos is True
-    assert a.temperature == 0.0 and a.seed == 0
-    if name == "decode-heavy":
-        assert a.num_prompts == 4
-    assert a.save_result is True and a.result_dir == str(tmp_path)
-    assert a.result_filename == "r.json"
-    assert a.base_url == "http://127.0.0.1:8123"
-    assert a.model == "deepseek-ai/DeepSeek-V4-Flash" and a.tokenizer_mode == "deepseek_v4"
-    assert set(a.percentile_metrics.split(",")) >= {"ttft", "tpot"}
-    assert "99" in a.metric_percentiles.split(",")
 
 
 def test_bench_overrides_and_reserved(tmp_path: Path) -> None:
@@ -499,8 +374,8 @@ def test_gate_table_renders() -> None:
     ]
     text = R.format_gate_table(rows)
     assert "PASS" in text and "FAIL" in text and "NOT GATED" in text
-    assert R._verdict(rows) == R.EXIT_GATE_FAILED
-    assert R._verdict(rows[:1]) == R.EXIT_PASS
+    assert R.verdict(rows) == R.EXIT_GATE_FAILED
+    assert R.verdict(rows[:1]) == R.EXIT_PASS
 
 
 # ---------------------------------------------------------------- bench math
@@ -715,14 +590,30 @@ def test_run_logged_failure_has_tail(tmp_path: Path) -> None:
     R.run_logged([sys.executable, "-c", "pass"], tmp_path / "y.log", dict(os.environ), "ok")
 
 
-def test_console_script_help() -> None:
-    """`python -m vllm_dsv4_backend.runner --help` works without vLLM or lm_eval imports."""
+@pytest.mark.parametrize("module", ["vllm_dsv4_backend.run", "vllm_dsv4_backend.runner"])
+def test_console_script_help(module: str) -> None:
+    """`python -m <module> --help` works without vLLM or lm_eval imports (``runner``:
+    the shim older console scripts point at)."""
     code = (
         "import sys, runpy; sys.argv=['vllm-dsv4-run','--help'];\n"
-        "try:\n runpy.run_module('vllm_dsv4_backend.runner', run_name='__main__')\n"
+        f"try:\n runpy.run_module({module!r}, run_name='__main__')\n"
         "except SystemExit as e: assert e.code == 0\n"
         "assert 'vllm' not in sys.modules and 'lm_eval' not in sys.modules, 'heavy import'\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "serve-bench" in out.stdout and "exit codes" in out.stdout
+
+
+def test_one_tiny_server_definition() -> None:
+    """The tiny server is defined once (the YAML, with its seed); the script and the
+    tests' fixture serve that file instead of repeating its flags."""
+    assert R.TINY_SERVE_CONFIG == TINY
+    assert R.load_serve_config(TINY).raw["seed"] == 0
+    script = (ROOT / "scripts" / "serve_tiny.sh").read_text()
+    fixture = (ROOT / "tests" / "vllm" / "conftest.py").read_text()
+    assert "configs/serve/tiny-dsv4-cpu.yaml" in script and "TINY_SERVE_CONFIG" in fixture
+    for flag in ("--attention-backend", "--kv-cache-dtype", "--load-format", "--max-model-len"):
+        assert flag not in script and flag not in fixture, flag
+    # The fixture drives the runner's server process, not a copy of it.
+    assert "make_server" in fixture and "Popen" not in fixture

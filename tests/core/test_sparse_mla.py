@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_dsv4_backend import ops
 from vllm_dsv4_backend.formats import fp8_ds_mla as F
-from vllm_dsv4_backend.ops import checks, reference, vllm_cpu
+from vllm_dsv4_backend.ops import checks, torch_sparse_mla, vllm_cpu
 
 SCALE = 512**-0.55  # FlashMLA's decode test scale (d_qk ** -0.55)
 
@@ -195,8 +195,8 @@ def test_decode_online_softmax_segments() -> None:
     (c1, i1, l1), (c2, i2, l2) = case.caches
     i1[0, 0, :200] = -1
     dims = checks.check_decode_args(case.q, c1, i1, l1, case.sink, SCALE, c2, i2, l2, None, None)
-    out, lse = reference.sparse_mla_decode_torch(case.q, c1, i1, l1, case.sink, dims, c2, i2, l2,
-                                                 budget_bytes=1 << 19)
+    out, lse = torch_sparse_mla.sparse_mla_decode_torch(
+        case.q, c1, i1, l1, case.sink, dims, c2, i2, l2, budget_bytes=1 << 19)
     check_decode(case, out, lse)
     full_out, full_lse = ops.sparse_mla_decode(*case.args())
     assert_flashmla_close(out, full_out, name="segmented vs one segment", **DECODE_OUT_TOL)
@@ -340,7 +340,7 @@ def test_prefill_without_sink_or_lengths_and_segments() -> None:
     out, ml, lse = ops.sparse_mla_prefill(q, kv, idx, 0.5)
     check_prefill(q, kv, idx, 0.5, None, None, out, ml, lse)
     dims = checks.check_prefill_args(q, kv, idx, 0.5, None, None, None, None, None)
-    o2, m2, l2 = reference.sparse_mla_prefill_torch(q, kv, idx, dims, budget_bytes=1 << 19)
+    o2, m2, l2 = torch_sparse_mla.sparse_mla_prefill_torch(q, kv, idx, dims, budget_bytes=1 << 19)
     check_prefill(q, kv, idx, 0.5, None, None, o2, m2, l2)
 
 

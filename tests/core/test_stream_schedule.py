@@ -24,18 +24,18 @@ import random
 import pytest
 import torch
 
+from vllm_dsv4_backend.testing.schedule import (
+    STREAM_ROLES,
+    StampKernels,
+    enqueue_dsv4_step,
+    make_stamp_source,
+)
 from vllm_dsv4_backend.workspace import (
     NullStreamBackend,
     SimStreamBackend,
     WorkspaceConfig,
     WorkspaceLeaseError,
     WorkspaceManager,
-)
-from vllm_dsv4_backend.workspace.schedule import (
-    STREAM_ROLES,
-    StampKernels,
-    enqueue_dsv4_step,
-    make_stamp_source,
 )
 from vllm_dsv4_backend.workspace.sizing import Layout, Slot
 

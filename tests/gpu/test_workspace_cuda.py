@@ -17,17 +17,17 @@ import random
 import pytest
 import torch
 
+from vllm_dsv4_backend.testing.schedule import (
+    STREAM_ROLES,
+    StampKernels,
+    enqueue_dsv4_step,
+    make_stamp_source,
+)
 from vllm_dsv4_backend.workspace import (
     CudaStreamBackend,
     WorkspaceConfig,
     WorkspaceManager,
     count_allocations,
-)
-from vllm_dsv4_backend.workspace.schedule import (
-    STREAM_ROLES,
-    StampKernels,
-    enqueue_dsv4_step,
-    make_stamp_source,
 )
 from vllm_dsv4_backend.workspace.sizing import DSV4_FLASH_HF_CONFIG, Layout, Slot
 

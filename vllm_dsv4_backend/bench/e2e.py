@@ -28,8 +28,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from vllm_dsv4_backend.run.config import TINY_SERVE_CONFIG
+
 REPO = Path(__file__).resolve().parents[2]
-SERVE_CONFIG = REPO / "configs" / "serve" / "tiny-dsv4-cpu.yaml"
+SERVE_CONFIG = TINY_SERVE_CONFIG
 BENCH_CONFIG = REPO / "configs" / "bench" / "tiny-cpu-smoke.yaml"
 POLICIES = ("shared", "off")
 METRICS: tuple[str, ...] = (
@@ -73,7 +75,7 @@ def run_e2e(
     Returns a dict with ``E2E_KEYS``: ``by_policy[p][m]`` = median over rounds;
     ``ratios[m]`` = median over rounds of the paired ratio shared / off of the same round.
     """
-    from vllm_dsv4_backend import runner as R
+    from vllm_dsv4_backend import run as R
 
     if rounds < 1:
         raise ValueError(f"rounds: expected a positive int, got {rounds!r}")

@@ -76,7 +76,7 @@ def _torch_fn(s: dict) -> Callable[[], object]:
     def run() -> object:
         return ops.sparse_mla_decode(
             s["q"], s["swa"], s["win"], None, s["sink"], SCALE, s["comp"], s["comp_idx"], None,
-            out=s["out"], lse_out=s["lse"], scratch=s["scratch"],
+            out=s["out"], lse_out=s["lse"], scratch=s["scratch"], kernel="torch",
         )
 
     return run
@@ -171,7 +171,6 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    os.environ["VLLM_DSV4_KERNEL"] = "torch"
     cpp_ok, cpp_why = vllm_cpu.load()
     rows = []
     for b in args.batch:

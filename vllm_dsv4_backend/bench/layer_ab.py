@@ -230,10 +230,11 @@ def run(*, flash_shaped: bool = False, batches: Sequence[int] = (1, 8, 32),
 
 
 def format_result(res: dict[str, Any]) -> str:
-    lines = [f"layer A/B ({res['model']} model, {res['threads']} thread(s)): "
-             "ratio = vLLM layer time / plugin layer time (>= 1: plugin at least as fast)",
-             f"{'case':<14}{'kind':<6}{'T':>6}{'plugin ms':>11}{'vLLM ms':>10}{'ratio':>8}"
-             f"{'p10..p90':>14}{'identical':>11}{'allocs p/v':>12}"]
+    title = (f"layer A/B ({res['model']} model, {res['threads']} thread(s)): ratio = vLLM "
+             "layer time / plugin layer time (>= 1: plugin at least as fast)")
+    head = (f"{'case':<14}{'kind':<6}{'T':>6}{'plugin ms':>11}{'vLLM ms':>10}{'ratio':>8}"
+            f"{'p10..p90':>14}{'identical':>11}{'allocs p/v':>12}")
+    lines = [title, head]
     for r in res["rows"]:
         lines.append(
             f"{r['case']:<14}{r['layer_kind']:<6}{r['tokens']:>6}{r['plugin_ms_median']:>11.3f}"

@@ -337,23 +337,6 @@ def _percentile(xs: Sequence[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-@contextlib.contextmanager
-def _kernel_env(path: str | None) -> Iterator[None]:
-    """Force ``VLLM_DSV4_KERNEL`` (read by ops at each call) inside the block."""
-    if path is None:
-        yield
-        return
-    old = os.environ.get(ops.KERNEL_ENV)
-    os.environ[ops.KERNEL_ENV] = path
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(ops.KERNEL_ENV, None)
-        else:
-            os.environ[ops.KERNEL_ENV] = old
-
-
 # ---------------------------------------------------------------------------------------------
 # synthetic inputs
 # ---------------------------------------------------------------------------------------------
@@ -777,9 +760,9 @@ def _attention_fns(cfg: BenchConfig, case: Case, layer: _Layer, peer: bool
     scale = HEAD_DIM**-0.5
 
     def ours() -> object:
-        with _kernel_env("torch"):
-            eager.attend(q, layer.swa_cache, case.window_indices, case.window_lens,
-                         layer.attn_sink, scale, out_ours, layer.comp_cache, glob, lens)
+        eager.attend(q, layer.swa_cache, case.window_indices, case.window_lens,
+                     layer.attn_sink, scale, out_ours, layer.comp_cache, glob, lens,
+                     kernel="torch")
         return None
 
     fns: dict[str, Callable[[], object]] = {"ours": ours}

@@ -49,6 +49,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_dsv4_backend._checks import check_tensor
+
 __all__ = [
     "BYTES_PER_TOKEN",
     "DATA_BYTES_PER_TOKEN",
@@ -278,32 +280,17 @@ def cache_layout(cache: torch.Tensor, name: str = "cache") -> CacheLayout:
 
 
 def _check_kv(kv: torch.Tensor, name: str) -> None:
-    if not isinstance(kv, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(kv).__name__}")
-    if kv.dim() != 2 or kv.shape[1] != HEAD_DIM:
-        raise ValueError(
-            f"{name}: expected shape [N, {HEAD_DIM}] (448 NoPE + 64 RoPE), got {_describe(kv)}"
-        )
-    if kv.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(
-            f"{name}: expected dtype torch.bfloat16 (float16/float32 are rounded to bf16 "
-            f"first), got {_describe(kv)}"
-        )
+    # One constraint at a time, so the message names the first one that fails.
+    check_tensor(name, kv, shape=(None, HEAD_DIM),
+                 shape_doc=f"[N, {HEAD_DIM}] (448 NoPE + 64 RoPE)")
+    check_tensor(name, kv, dtype=(torch.bfloat16, torch.float16, torch.float32))
 
 
 def _check_slots(slots: torch.Tensor, name: str, n: int | None, num_slots: int,
                  device: torch.device) -> None:
-    if not isinstance(slots, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(slots).__name__}")
-    if slots.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"{name}: expected dtype torch.int32 or torch.int64, got {_describe(slots)}"
-        )
-    if slots.dim() != 1 or (n is not None and slots.shape[0] != n):
-        exp = f"[{n}]" if n is not None else "[M]"
-        raise ValueError(f"{name}: expected shape {exp}, got {_describe(slots)}")
-    if slots.device != device:
-        raise ValueError(f"{name}: expected device {device} (the cache's), got {_describe(slots)}")
+    check_tensor(name, slots, dtype=(torch.int32, torch.int64))
+    check_tensor(name, slots, shape=(n,), shape_doc="[M]" if n is None else None)
+    check_tensor(name, slots, device=device)
     if slots.numel():
         lo, hi = int(slots.min()), int(slots.max())
         if lo < -1 or hi >= num_slots:

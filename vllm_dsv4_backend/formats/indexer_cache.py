@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_dsv4_backend._checks import check_tensor, describe
 from vllm_dsv4_backend.formats import mxfp4
 
 __all__ = [
@@ -82,10 +83,6 @@ _FP8_AMAX_FLOOR = float(torch.tensor(1e-4, dtype=torch.float32))
 
 _VALUE_BYTES = {FP8: HEAD_DIM, MXFP4: HEAD_DIM // 2}
 _SCALE_BYTES = {FP8: 4, MXFP4: HEAD_DIM // mxfp4.BLOCK_SIZE}
-
-
-def _describe(t: torch.Tensor) -> str:
-    return f"shape {list(t.shape)} dtype {t.dtype} on {t.device}"
 
 
 def check_dtype(dtype: str, where: str = "indexer_cache") -> str:
@@ -206,7 +203,7 @@ def block_views(
     eb = entry_bytes(dtype)
     if cache.dtype != torch.uint8:
         raise ValueError(
-            f"{where}: argument 'cache' expected dtype torch.uint8, got {_describe(cache)}"
+            f"{where}: argument 'cache' expected dtype torch.uint8, got {describe(cache)}"
         )
     if cache.dim() == 4 and cache.shape[2] == 1:
         ok = cache.shape[3] == eb and cache.stride(3) == 1 and cache.stride(1) == eb
@@ -219,7 +216,7 @@ def block_views(
         raise ValueError(
             f"{where}: argument 'cache' expected shape [num_blocks, B, {eb}] or "
             f"[num_blocks, B, 1, {eb}] ({dtype}) with contiguous bytes inside a block "
-            f"and stride(0) >= B*{eb}, got {_describe(cache)} strides {list(cache.stride())}"
+            f"and stride(0) >= B*{eb}, got {describe(cache)} strides {list(cache.stride())}"
         )
     vb = _VALUE_BYTES[dtype]
     sb = _SCALE_BYTES[dtype]
@@ -265,17 +262,8 @@ def gather_raw(
 
 
 def _check_slots(where: str, slots: torch.Tensor, n: int | None, device: torch.device) -> None:
-    if (
-        slots.dim() != 1
-        or slots.dtype not in (torch.int32, torch.int64)
-        or slots.device != device
-        or (n is not None and slots.shape[0] != n)
-    ):
-        want = "[N]" if n is None else f"[{n}]"
-        raise ValueError(
-            f"{where}: argument 'slots' expected shape {want} dtype int32 or int64 on "
-            f"{device}, got {_describe(slots)}"
-        )
+    check_tensor("slots", slots, shape=(n,), dtype=(torch.int32, torch.int64), device=device,
+                 shape_doc="[N]" if n is None else None, where=where)
 
 
 def _check_slot_range(where: str, slots: torch.Tensor, num_slots: int) -> None:
@@ -318,7 +306,7 @@ def quantize_and_insert(
     ) or k.device != cache.device:
         raise ValueError(
             f"{where}: argument 'k' expected shape [N, {HEAD_DIM}] dtype bfloat16, float32 "
-            f"or float16 on {cache.device}, got {_describe(k)}"
+            f"or float16 on {cache.device}, got {describe(k)}"
         )
     _check_slots(where, slot_mapping, k.shape[0], cache.device)
     nb, bs = values_v.shape[0], values_v.shape[1]
@@ -371,7 +359,7 @@ def dequantize_and_gather(
     ):
         raise ValueError(
             f"{where}: argument 'out' expected shape [{m}, {HEAD_DIM}] dtype torch.float32 "
-            f"on {cache.device}, got {_describe(out)}"
+            f"on {cache.device}, got {describe(out)}"
         )
     nb, bs = values_v.shape[0], values_v.shape[1]
     _check_slot_range(where, slots, nb * bs)

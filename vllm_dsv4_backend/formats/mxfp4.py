@@ -47,6 +47,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_dsv4_backend._checks import describe
+
 __all__ = [
     "BLOCK_SIZE",
     "E2M1_VALUES",
@@ -86,10 +88,6 @@ def _const(name: str, device: torch.device) -> torch.Tensor:
         t = t.to(device)
         _const_cache[key] = t
     return t
-
-
-def _describe(t: torch.Tensor) -> str:
-    return f"shape {list(t.shape)} dtype {t.dtype} on {t.device}"
 
 
 def ue8m0_exponent(amax: torch.Tensor) -> torch.Tensor:
@@ -144,12 +142,12 @@ def _check_float_input(name: str, x: torch.Tensor) -> None:
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(
             f"mxfp4.{name}: argument 'x' expected dtype float32, bfloat16 or float16, "
-            f"got {_describe(x)}"
+            f"got {describe(x)}"
         )
     if x.dim() < 1 or x.shape[-1] % BLOCK_SIZE != 0:
         raise ValueError(
             f"mxfp4.{name}: argument 'x' expected shape [..., D] with D a multiple of "
-            f"{BLOCK_SIZE}, got {_describe(x)}"
+            f"{BLOCK_SIZE}, got {describe(x)}"
         )
 
 
@@ -189,7 +187,7 @@ def quantize(
         ):
             raise ValueError(
                 f"mxfp4.quantize: argument '{name}' expected shape {list(shape)} dtype "
-                f"torch.uint8 on {x.device}, got {_describe(buf)}"
+                f"torch.uint8 on {x.device}, got {describe(buf)}"
             )
 
     xb = x.to(torch.float32).reshape(*lead, nblk, BLOCK_SIZE)
@@ -239,7 +237,7 @@ def dequantize(
     if packed.dtype != torch.uint8 or packed.dim() < 1:
         raise ValueError(
             f"mxfp4.dequantize: argument 'packed' expected dtype torch.uint8 with shape "
-            f"[..., D // 2], got {_describe(packed)}"
+            f"[..., D // 2], got {describe(packed)}"
         )
     nblk = packed.shape[-1] * 2 // BLOCK_SIZE
     expected_scale = (*packed.shape[:-1], nblk)
@@ -251,7 +249,7 @@ def dequantize(
         raise ValueError(
             f"mxfp4.dequantize: argument 'scale_exp' expected shape {list(expected_scale)} "
             f"dtype torch.uint8 on {packed.device} (packed width a multiple of "
-            f"{BLOCK_SIZE // 2}), got {_describe(scale_exp)} for packed {_describe(packed)}"
+            f"{BLOCK_SIZE // 2}), got {describe(scale_exp)} for packed {describe(packed)}"
         )
     lead = tuple(packed.shape[:-1])
     d = packed.shape[-1] * 2
@@ -262,7 +260,7 @@ def dequantize(
     ):
         raise ValueError(
             f"mxfp4.dequantize: argument 'out' expected shape {[*lead, d]} dtype "
-            f"torch.float32 on {packed.device}, got {_describe(out)}"
+            f"torch.float32 on {packed.device}, got {describe(out)}"
         )
     dev = packed.device
     values = _const("values", dev)

@@ -10,7 +10,9 @@ Public API (shaped like FlashMLA's ``flash_mla_with_kvcache`` / ``flash_mla_spar
 - :func:`decode_scratch_nbytes` / :func:`prefill_scratch_nbytes`: scratch sizing for
   allocation-free torch-path calls.
 
-Kernel paths, chosen per call from ``VLLM_DSV4_KERNEL`` (read at each call):
+Kernel paths, chosen per call by the ``kernel`` argument; ``kernel=None`` (the default) means
+the ``VLLM_DSV4_KERNEL`` setting, read through :mod:`vllm_dsv4_backend.envs` at each call
+(the one reader of every setting, so a bad value raises the same error here as everywhere):
 
 ``auto`` (default)
     CUDA: FlashMLA (``flashmla``) when a build for the device exists, else ``torch`` (with a
@@ -34,14 +36,15 @@ up vLLM's compiled kernels lazily and guarded.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
-from vllm_dsv4_backend.ops import checks, flashmla, reference, vllm_cpu
-from vllm_dsv4_backend.ops.reference import decode_scratch_nbytes, prefill_scratch_nbytes
+from vllm_dsv4_backend import envs
+from vllm_dsv4_backend.ops import checks, flashmla, torch_sparse_mla, vllm_cpu
+from vllm_dsv4_backend.ops.torch_sparse_mla import decode_scratch_nbytes, prefill_scratch_nbytes
 
 __all__ = [
+    "KERNEL_CHOICES",
     "KERNEL_ENV",
     "KERNEL_PATHS",
     "decode_scratch_nbytes",
@@ -53,29 +56,40 @@ __all__ = [
     "sparse_mla_prefill",
 ]
 
+# The setting's name, for messages (envs.py is its only reader).
 KERNEL_ENV = "VLLM_DSV4_KERNEL"
 KERNEL_PATHS = ("torch", "vllm_cpu", "flashmla")
+# What ``kernel=`` (and the setting) accepts: a path, or ``auto``.
+KERNEL_CHOICES = ("auto", *KERNEL_PATHS)
 
 logger = logging.getLogger(__name__)
 _last: dict[str, str] = {}
 _logged: set[tuple[str, str]] = set()
 
 
-def requested_kernel() -> str:
-    """The value of ``VLLM_DSV4_KERNEL``: ``auto`` (default), ``torch``, ``vllm_cpu``, ``flashmla``.
+def requested_kernel(kernel: str | None = None) -> str:
+    """The requested path: ``kernel`` if given, else the ``VLLM_DSV4_KERNEL`` setting.
+
+    Returns ``auto``, ``torch``, ``vllm_cpu`` or ``flashmla``.
 
     Raises:
-        ValueError: for any other value.
+        ValueError: ``kernel`` (or the setting, with the error of
+            :mod:`vllm_dsv4_backend.envs`) is any other value.
     """
-    v = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
-    if v != "auto" and v not in KERNEL_PATHS:
-        raise ValueError(
-            f"{KERNEL_ENV}: expected one of auto, torch, vllm_cpu, flashmla; got {v!r}"
-        )
-    return v
+    if kernel is None:
+        return envs.VLLM_DSV4_KERNEL
+    if kernel not in KERNEL_CHOICES:
+        raise ValueError(f"kernel: expected one of {list(KERNEL_CHOICES)}, got {kernel!r}")
+    return kernel
 
 
-def kernel_path(device: torch.device | str, op: str = "decode", *, need_lse: bool = True) -> str:
+def kernel_path(
+    device: torch.device | str,
+    op: str = "decode",
+    *,
+    need_lse: bool = True,
+    kernel: str | None = None,
+) -> str:
     """The kernel path a call of ``op`` (``"decode"`` or ``"prefill"``) on ``device`` takes.
 
     Args:
@@ -83,36 +97,40 @@ def kernel_path(device: torch.device | str, op: str = "decode", *, need_lse: boo
         op: ``"decode"`` or ``"prefill"``.
         need_lse: decode only: whether the caller wants the lse (vLLM's C++ CPU kernel does
             not produce it, so ``auto`` uses it only when this is False).
+        kernel: ``auto``, ``torch``, ``vllm_cpu`` or ``flashmla``; None (default) means the
+            ``VLLM_DSV4_KERNEL`` setting.
 
     Raises:
-        ValueError: unknown ``op`` or ``VLLM_DSV4_KERNEL`` value.
+        ValueError: unknown ``op`` or ``kernel`` / ``VLLM_DSV4_KERNEL`` value.
         RuntimeError: the forced path cannot serve this call (the message says why).
     """
     dev = torch.device(device)
     if op not in ("decode", "prefill"):
         raise ValueError(f"op: expected 'decode' or 'prefill', got {op!r}")
-    req = requested_kernel()
+    req = requested_kernel(kernel)
+    # Name what forced the path, so the message points at the right knob.
+    forced = f"{KERNEL_ENV}={req}" if kernel is None else f"kernel={req!r}"
     if req == "torch":
         return "torch"
     if req == "flashmla":
         ok, why = flashmla.available(dev)
         if not ok:
-            raise RuntimeError(f"{KERNEL_ENV}=flashmla, but FlashMLA cannot run here: {why}")
+            raise RuntimeError(f"{forced}, but FlashMLA cannot run here: {why}")
         return "flashmla"
     if req == "vllm_cpu":
         if op == "prefill":
             raise RuntimeError(
-                f"{KERNEL_ENV}=vllm_cpu: vLLM's C++ CPU kernels have no sparse prefill over a "
+                f"{forced}: vLLM's C++ CPU kernels have no sparse prefill over a "
                 "bf16 KV buffer (flash_mla_sparse_fwd semantics); use auto or torch for prefill"
             )
         if need_lse:
             raise RuntimeError(
-                f"{KERNEL_ENV}=vllm_cpu: torch.ops._C.flash_mla_with_kvcache_cpu does not "
+                f"{forced}: torch.ops._C.flash_mla_with_kvcache_cpu does not "
                 "return the lse; call sparse_mla_decode(..., need_lse=False) or use auto/torch"
             )
         ok, why = vllm_cpu.available(dev)
         if not ok:
-            raise RuntimeError(f"{KERNEL_ENV}=vllm_cpu, but vLLM's C++ kernel cannot run: {why}")
+            raise RuntimeError(f"{forced}, but vLLM's C++ kernel cannot run: {why}")
         return "vllm_cpu"
     # auto
     if dev.type == "cuda":
@@ -168,12 +186,13 @@ def _decode_eager(
     need_lse: bool,
     scratch: torch.Tensor | None,
     sched_meta: object | None,
+    kernel: str | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     dims = checks.check_decode_args(
         q, k_cache, indices, topk_length, attn_sink, softmax_scale, extra_k_cache,
         extra_indices, extra_topk_length, out, lse_out,
     )
-    path = kernel_path(q.device, "decode", need_lse=need_lse)
+    path = kernel_path(q.device, "decode", need_lse=need_lse, kernel=kernel)
     _record("decode", path)
     if path == "flashmla":
         checks.check_flashmla_decode(q, k_cache, dims, extra_k_cache, flashmla.capability(q.device))
@@ -193,7 +212,7 @@ def _decode_eager(
             extra_topk_length, out=out,
         )
         return o, None
-    return reference.sparse_mla_decode_torch(
+    return torch_sparse_mla.sparse_mla_decode_torch(
         q, k_cache, indices, topk_length, attn_sink, dims, extra_k_cache, extra_indices,
         extra_topk_length, out=out, lse_out=lse_out, need_lse=need_lse, scratch=scratch,
     )
@@ -215,19 +234,21 @@ def _sparse_mla_decode_op(
     out: torch.Tensor,
     lse_out: torch.Tensor | None,
     scratch: torch.Tensor | None = None,
+    kernel: str | None = None,
 ) -> None:
     """Custom-op form of :func:`sparse_mla_decode`: writes ``out`` (and ``lse_out`` if given;
     without it the lse is not needed, so ``auto`` may pick vLLM's C++ CPU kernel)."""
     _decode_eager(
         q, k_cache, indices, topk_length, attn_sink, softmax_scale, extra_k_cache,
         extra_indices, extra_topk_length, out, lse_out, lse_out is not None, scratch, None,
+        kernel,
     )
 
 
 @_sparse_mla_decode_op.register_fake
 def _sparse_mla_decode_fake(
     q, k_cache, indices, topk_length, attn_sink, softmax_scale, extra_k_cache, extra_indices,
-    extra_topk_length, out, lse_out, scratch=None,
+    extra_topk_length, out, lse_out, scratch=None, kernel=None,
 ) -> None:
     return None
 
@@ -248,6 +269,7 @@ def sparse_mla_decode(
     need_lse: bool = True,
     scratch: torch.Tensor | None = None,
     sched_meta: object | None = None,
+    kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sparse MLA decode over ``fp8_ds_mla`` paged caches (FlashMLA MODEL1 semantics).
 
@@ -277,6 +299,8 @@ def sparse_mla_decode(
             the torch path performs no allocation.
         sched_meta: FlashMLA path only: a ``FlashMLASchedMeta`` reused across same-shaped
             calls in one step.
+        kernel: ``auto``, ``torch``, ``vllm_cpu`` or ``flashmla`` (see the module docstring);
+            None (default) means the ``VLLM_DSV4_KERNEL`` setting.
 
     Returns:
         ``(out, lse)``: out bf16 ``[b, s_q, h_q, 512]`` (V = the whole 512-d row), lse fp32
@@ -285,7 +309,7 @@ def sparse_mla_decode(
 
     Raises:
         ValueError: a bad argument (named, with expected vs received shape/dtype/device).
-        RuntimeError: a path forced by ``VLLM_DSV4_KERNEL`` cannot serve the call.
+        RuntimeError: a path forced by ``kernel`` / ``VLLM_DSV4_KERNEL`` cannot serve the call.
     """
     if torch.compiler.is_compiling():
         b, s_q, h = q.shape[0], q.shape[1], q.shape[2]
@@ -296,11 +320,12 @@ def sparse_mla_decode(
         torch.ops.vllm_dsv4.sparse_mla_decode(
             q, k_cache, indices, topk_length, attn_sink, float(softmax_scale), extra_k_cache,
             extra_indices, extra_topk_length, out, lse_out if need_lse else None, scratch,
+            kernel,
         )
         return out, (lse_out if need_lse else None)
     return _decode_eager(
         q, k_cache, indices, topk_length, attn_sink, softmax_scale, extra_k_cache,
-        extra_indices, extra_topk_length, out, lse_out, need_lse, scratch, sched_meta,
+        extra_indices, extra_topk_length, out, lse_out, need_lse, scratch, sched_meta, kernel,
     )
 
 
@@ -318,11 +343,12 @@ def _prefill_eager(
     max_logits_out: torch.Tensor | None,
     lse_out: torch.Tensor | None,
     scratch: torch.Tensor | None,
+    kernel: str | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dims = checks.check_prefill_args(
         q, kv, indices, sm_scale, attn_sink, topk_length, out, max_logits_out, lse_out
     )
-    path = kernel_path(q.device, "prefill")
+    path = kernel_path(q.device, "prefill", kernel=kernel)
     _record("prefill", path)
     if path == "flashmla":
         checks.check_flashmla_prefill(q, kv, dims, flashmla.capability(q.device))
@@ -330,7 +356,7 @@ def _prefill_eager(
             q, kv, indices, dims, attn_sink, topk_length, out=out,
             max_logits_out=max_logits_out, lse_out=lse_out,
         )
-    return reference.sparse_mla_prefill_torch(
+    return torch_sparse_mla.sparse_mla_prefill_torch(
         q, kv, indices, dims, attn_sink, topk_length, out=out, max_logits_out=max_logits_out,
         lse_out=lse_out, scratch=scratch,
     )
@@ -350,15 +376,17 @@ def _sparse_mla_prefill_op(
     max_logits_out: torch.Tensor,
     lse_out: torch.Tensor,
     scratch: torch.Tensor | None = None,
+    kernel: str | None = None,
 ) -> None:
     """Custom-op form of :func:`sparse_mla_prefill`: writes the three output buffers."""
     _prefill_eager(q, kv, indices, sm_scale, attn_sink, topk_length, out, max_logits_out,
-                   lse_out, scratch)
+                   lse_out, scratch, kernel)
 
 
 @_sparse_mla_prefill_op.register_fake
 def _sparse_mla_prefill_fake(
-    q, kv, indices, sm_scale, attn_sink, topk_length, out, max_logits_out, lse_out, scratch=None
+    q, kv, indices, sm_scale, attn_sink, topk_length, out, max_logits_out, lse_out, scratch=None,
+    kernel=None,
 ) -> None:
     return None
 
@@ -375,6 +403,7 @@ def sparse_mla_prefill(
     max_logits_out: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
     scratch: torch.Tensor | None = None,
+    kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse MLA prefill over a bf16 KV buffer (FlashMLA ``flash_mla_sparse_fwd`` semantics).
 
@@ -388,6 +417,8 @@ def sparse_mla_prefill(
         out: optional bf16 ``[s_q, h_q, 512]``; max_logits_out / lse_out: optional fp32
             ``[s_q, h_q]``; all written in place.
         scratch: optional uint8 1-D buffer for the torch path (:func:`prefill_scratch_nbytes`).
+        kernel: ``auto``, ``torch`` or ``flashmla``; None (default) means the
+            ``VLLM_DSV4_KERNEL`` setting.
 
     Returns:
         ``(out, max_logits, lse)``: max_logits and lse fp32 ``[s_q, h_q]`` in natural units
@@ -407,8 +438,8 @@ def sparse_mla_prefill(
             lse_out = q.new_empty(s_q, h, dtype=torch.float32)
         torch.ops.vllm_dsv4.sparse_mla_prefill(
             q, kv, indices, float(sm_scale), attn_sink, topk_length, out, max_logits_out, lse_out,
-            scratch,
+            scratch, kernel,
         )
         return out, max_logits_out, lse_out
     return _prefill_eager(q, kv, indices, sm_scale, attn_sink, topk_length, out,
-                          max_logits_out, lse_out, scratch)
+                          max_logits_out, lse_out, scratch, kernel)

@@ -3,7 +3,9 @@
 """Shared argument validation for the sparse MLA ops (torch only).
 
 Every check raises ``ValueError`` naming the argument and giving the expected and received
-shape / dtype / device (FlashInfer ``check_shape_dtype_device`` style). The generic checks
+shape / dtype / device (FlashInfer ``check_shape_dtype_device`` style). :func:`check_tensor`
+is the package's one tensor check (defined in ``vllm_dsv4_backend._checks`` so the
+``formats`` layer below can use it too). The generic checks
 (:func:`check_decode_args`, :func:`check_prefill_args`) hold for every kernel path; the
 ``check_flashmla_*`` functions add what FlashMLA's CUDA kernels require on top.
 """
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_dsv4_backend._checks import check_tensor, describe
 from vllm_dsv4_backend.formats import fp8_ds_mla
 from vllm_dsv4_backend.formats.fp8_ds_mla import CacheLayout
 
@@ -29,19 +32,13 @@ __all__ = [
     "check_flashmla_prefill",
     "check_prefill_args",
     "check_shape_dtype_device",
+    "check_tensor",
+    "describe",
 ]
 
 HEAD_DIM = fp8_ds_mla.HEAD_DIM  # 512 = d_qk = d_v
 FLASHMLA_HEADS = (64, 128)
 FLASHMLA_TOPK_ALIGN = 64
-
-
-def _fmt_shape(shape: Sequence[int | str | None]) -> str:
-    return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-
-
-def _describe(t: torch.Tensor) -> str:
-    return f"shape {list(t.shape)}, dtype {t.dtype}, device {t.device}"
 
 
 def check_shape_dtype_device(
@@ -53,34 +50,9 @@ def check_shape_dtype_device(
     *,
     shape_doc: str | None = None,
 ) -> torch.Tensor:
-    """Check one tensor argument; ``None`` in ``shape`` is a wildcard.
-
-    Raises:
-        ValueError: ``"<name>: expected shape ..., dtype ..., device ...; got ..."``.
-    """
-    dtypes = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype or ())
-    exp_parts = []
-    if shape is not None:
-        exp_parts.append(f"shape {shape_doc or _fmt_shape(shape)}")
-    if dtypes:
-        exp_parts.append("dtype " + " or ".join(str(d) for d in dtypes))
-    if device is not None:
-        exp_parts.append(f"device {device}")
-    expected = ", ".join(exp_parts)
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor with {expected}; got {type(t).__name__}")
-    ok = True
-    if shape is not None:
-        ok = t.dim() == len(shape) and all(
-            s is None or int(d) == int(s) for d, s in zip(t.shape, shape)
-        )
-    if dtypes and t.dtype not in dtypes:
-        ok = False
-    if device is not None and t.device != device:
-        ok = False
-    if not ok:
-        raise ValueError(f"{name}: expected {expected}; got {_describe(t)}")
-    return t
+    """FlashInfer-style positional form of :func:`check_tensor` (``None`` in ``shape`` is a
+    wildcard)."""
+    return check_tensor(name, t, shape=shape, dtype=dtype, device=device, shape_doc=shape_doc)
 
 
 def _check_index_dtype(t: object, name: str) -> None:
@@ -95,7 +67,7 @@ def _check_cache(cache: object, name: str, device: torch.device) -> CacheLayout:
     layout = fp8_ds_mla.cache_layout(cache, name)  # type: ignore[arg-type]
     if cache.device != device:  # type: ignore[union-attr]
         raise ValueError(
-            f"{name}: expected device {device} (q's), got {_describe(cache)}"  # type: ignore[arg-type]
+            f"{name}: expected device {device} (q's), got {describe(cache)}"  # type: ignore[arg-type]
         )
     return layout
 
@@ -186,7 +158,7 @@ def check_decode_args(
         if extra_k_cache is None:
             raise ValueError(
                 "extra_topk_length: expected None without extra_k_cache, got a tensor with "
-                + _describe(extra_topk_length)
+                + describe(extra_topk_length)
             )
         _check_index_dtype(extra_topk_length, "extra_topk_length")
         check_shape_dtype_device(extra_topk_length, "extra_topk_length", (b,), torch.int32, dev)
@@ -290,7 +262,7 @@ def _check_last_dim_contiguous(t: torch.Tensor, name: str) -> None:
     if t.stride(-1) != 1:
         raise ValueError(
             f"{name}: FlashMLA requires the last dim contiguous (stride(-1) == 1), got stride "
-            f"{tuple(t.stride())} for {_describe(t)}"
+            f"{tuple(t.stride())} for {describe(t)}"
         )
 
 

@@ -56,6 +56,7 @@ import math
 
 import torch
 
+from vllm_dsv4_backend._checks import check_tensor, describe
 from vllm_dsv4_backend.ops import rope
 
 __all__ = [
@@ -71,48 +72,11 @@ _FLOAT_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 # --------------------------------------------------------------------------------------------
-# validation helpers (FlashInfer check_shape_dtype_device style)
+# validation (the package's one tensor check, plus what it does not express)
 # --------------------------------------------------------------------------------------------
 def _fail(name: str, expected: str, t: torch.Tensor) -> None:
-    raise ValueError(
-        f"{name}: expected {expected}, got shape {tuple(t.shape)}, dtype {t.dtype}, "
-        f"device {t.device}, stride {tuple(t.stride())}"
-    )
-
-
-def _check_tensor(
-    name: str,
-    t: object,
-    *,
-    dim: int | None = None,
-    shape: tuple[int | None, ...] | None = None,
-    dtypes: tuple[torch.dtype, ...] | None = None,
-    device: torch.device | None = None,
-) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    parts = []
-    if shape is not None:
-        parts.append("shape " + str(tuple("*" if s is None else s for s in shape)))
-    elif dim is not None:
-        parts.append(f"{dim}-D")
-    if dtypes is not None:
-        parts.append("dtype " + "/".join(str(d) for d in dtypes))
-    if device is not None:
-        parts.append(f"device {device}")
-    expected = ", ".join(parts)
-    if dim is not None and t.dim() != dim:
-        _fail(name, expected, t)
-    if shape is not None and (
-        t.dim() != len(shape)
-        or any(s is not None and s != ts for s, ts in zip(shape, t.shape, strict=True))
-    ):
-        _fail(name, expected, t)
-    if dtypes is not None and t.dtype not in dtypes:
-        _fail(name, expected, t)
-    if device is not None and t.device != device:
-        _fail(name, expected, t)
-    return t
+    # Conditions check_tensor does not express (strides, relations between arguments).
+    raise ValueError(f"{name}: expected {expected}; got {describe(t)}, stride {tuple(t.stride())}")
 
 
 def _check_compress_args(
@@ -131,11 +95,11 @@ def _check_compress_args(
         raise ValueError(f"head_dim: expected a positive even int, got {head_dim!r}")
     coff = 2 if compress_ratio == 4 else 1
     dev = state_cache.device if isinstance(state_cache, torch.Tensor) else None
-    _check_tensor(
+    check_tensor(
         "state_cache",
         state_cache,
         shape=(None, None, 2 * coff * head_dim),
-        dtypes=(torch.float32,),
+        dtype=(torch.float32,),
     )
     if state_cache.stride(2) != 1 or state_cache.stride(1) != state_cache.shape[2]:
         _fail(
@@ -144,21 +108,21 @@ def _check_compress_args(
             state_cache,
         )
     window = coff * compress_ratio
-    _check_tensor(
-        "gather_slots", gather_slots, shape=(None, window), dtypes=(torch.int64,), device=dev
+    check_tensor(
+        "gather_slots", gather_slots, shape=(None, window), dtype=(torch.int64,), device=dev
     )
     num_tokens = gather_slots.shape[0]
-    _check_tensor(
-        "positions", positions, shape=(num_tokens,), dtypes=(torch.int64, torch.int32), device=dev
+    check_tensor(
+        "positions", positions, shape=(num_tokens,), dtype=(torch.int64, torch.int32), device=dev
     )
-    _check_tensor(
+    check_tensor(
         "rms_norm_weight",
         rms_norm_weight,
         shape=(head_dim,),
-        dtypes=_FLOAT_WEIGHT_DTYPES,
+        dtype=_FLOAT_WEIGHT_DTYPES,
         device=dev,
     )
-    _check_tensor("cos_sin_cache", cos_sin_cache, dim=2, dtypes=_FLOAT_WEIGHT_DTYPES, device=dev)
+    check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, dtype=_FLOAT_WEIGHT_DTYPES, device=dev)
     rope_dim = cos_sin_cache.shape[1]
     if rope_dim <= 0 or rope_dim % 2 or rope_dim > head_dim:
         _fail("cos_sin_cache", f"[max_pos, rope_dim] with even 0 < rope_dim <= {head_dim}",
@@ -275,11 +239,11 @@ def _check_out(out: torch.Tensor | None, rows_needed: int, head_dim: int, device
                exact_rows: bool) -> None:
     if out is None:
         return
-    _check_tensor(
+    check_tensor(
         "out",
         out,
         shape=(rows_needed if exact_rows else None, head_dim),
-        dtypes=(torch.float32,),
+        dtype=(torch.float32,),
         device=device,
     )
     if not out.is_contiguous():
@@ -374,15 +338,15 @@ def _store_rows(
     )
     dev = state_cache.device
     num_tokens = gather_slots.shape[0]
-    _check_tensor(
+    check_tensor(
         "kv_slot_mapping", kv_slot_mapping, shape=(num_tokens,),
-        dtypes=(torch.int64, torch.int32), device=dev,
+        dtype=(torch.int64, torch.int32), device=dev,
     )
     if not isinstance(kv_cache_block_size, int) or kv_cache_block_size <= 0:
         raise ValueError(
             f"kv_cache_block_size: expected a positive int, got {kv_cache_block_size!r}"
         )
-    _check_tensor("kv_cache_2d", kv_cache_2d, dim=2, dtypes=(torch.uint8,), device=dev)
+    check_tensor("kv_cache_2d", kv_cache_2d, ndim=2, dtype=(torch.uint8,), device=dev)
     block_bytes = kv_cache_block_size * entry_bytes
     if kv_cache_2d.stride(1) != 1 or kv_cache_2d.shape[1] < block_bytes or (
         kv_cache_2d.shape[0] > 1 and kv_cache_2d.stride(0) < block_bytes
@@ -529,20 +493,20 @@ def save_partial_states(
             within a block; written in place.
         slot_mapping: int64/int32 ``[T]`` state slot per token; negative skips the token.
     """
-    _check_tensor("kv", kv, dim=2, dtypes=(torch.float32,))
+    check_tensor("kv", kv, ndim=2, dtype=(torch.float32,))
     num_tokens, width = kv.shape
     dev = kv.device
-    _check_tensor("score", score, shape=(num_tokens, width), dtypes=(torch.float32,), device=dev)
-    _check_tensor("ape", ape, shape=(None, width), dtypes=(torch.float32,), device=dev)
-    _check_tensor(
-        "positions", positions, shape=(num_tokens,), dtypes=(torch.int64, torch.int32), device=dev
+    check_tensor("score", score, shape=(num_tokens, width), dtype=(torch.float32,), device=dev)
+    check_tensor("ape", ape, shape=(None, width), dtype=(torch.float32,), device=dev)
+    check_tensor(
+        "positions", positions, shape=(num_tokens,), dtype=(torch.int64, torch.int32), device=dev
     )
-    _check_tensor(
-        "state_cache", state_cache, shape=(None, None, 2 * width), dtypes=(torch.float32,),
+    check_tensor(
+        "state_cache", state_cache, shape=(None, None, 2 * width), dtype=(torch.float32,),
         device=dev,
     )
-    _check_tensor(
-        "slot_mapping", slot_mapping, shape=(num_tokens,), dtypes=(torch.int64, torch.int32),
+    check_tensor(
+        "slot_mapping", slot_mapping, shape=(num_tokens,), dtype=(torch.int64, torch.int32),
         device=dev,
     )
     nb, bs, _ = state_cache.shape

@@ -46,6 +46,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_dsv4_backend._checks import check_tensor
+
 __all__ = [
     "build_c128a_topk_metadata",
     "build_prefill_chunk_metadata",
@@ -73,20 +75,8 @@ def _check(
     dtypes: tuple[torch.dtype, ...] = _INT_DTYPES,
     min_len: int | None = None,
 ) -> None:
-    """Raise ``ValueError`` naming ``name`` unless ``t`` matches the contract."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    ndims = (ndim,) if isinstance(ndim, int) else ndim
-    if t.dim() not in ndims:
-        raise ValueError(
-            f"{name}: expected a {'/'.join(map(str, ndims))}-D tensor, got shape {tuple(t.shape)}"
-        )
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name}: expected device {device}, got {t.device}")
-    if min_len is not None and t.shape[0] < min_len:
-        raise ValueError(f"{name}: expected at least {min_len} rows, got shape {tuple(t.shape)}")
+    """:func:`check_tensor` with this module's default (integer) dtypes."""
+    check_tensor(name, t, ndim=ndim, dtype=dtypes, device=device, min_rows=min_len)
 
 
 def _check_int(name: str, value: int, *, minimum: int) -> int:

@@ -13,13 +13,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _check_out(name: str, t: torch.Tensor, rows: int, dtype: torch.dtype) -> None:
-    if t.shape[0] != rows or t.dtype != dtype:
-        raise ValueError(
-            f"{name}: expected {rows} rows of {dtype}, got shape {tuple(t.shape)} "
-            f"dtype {t.dtype}"
-        )
+from vllm_dsv4_backend._checks import check_tensor
 
 
 def _map_to_global(
@@ -62,7 +56,7 @@ def window_slots(
         arange: ``[W]`` int32 ``0..W-1`` (persistent, to avoid re-creating it).
     """
     num_tokens, width = out_indices.shape
-    _check_out("out_lens", out_lens, num_tokens, torch.int32)
+    check_tensor("out_lens", out_lens, shape=(num_tokens,), dtype=torch.int32)
     if num_tokens == 0:
         return
     pos = positions.long()
@@ -96,7 +90,7 @@ def all_visible_compressed_slots(
         arange: ``[W]`` int32 ``0..W-1``.
     """
     num_tokens, width = out_indices.shape
-    _check_out("out_lens", out_lens, num_tokens, torch.int32)
+    check_tensor("out_lens", out_lens, shape=(num_tokens,), dtype=torch.int32)
     if num_tokens == 0:
         return
     n = torch.div(positions.long() + 1, compress_ratio, rounding_mode="floor").clamp_(max=width)

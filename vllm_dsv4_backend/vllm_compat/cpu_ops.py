@@ -20,7 +20,7 @@ vLLM imported its kernels (the plugin arms it on the import of the
 DeepSeek-V4 CPU model) and logs the list; :func:`registered` reports it.
 
 The math comes from this package's torch ops (the oracle path of the
-plugin): :mod:`~vllm_dsv4_backend.ops.reference` (sparse MLA),
+plugin): :mod:`~vllm_dsv4_backend.ops.torch_sparse_mla` (sparse MLA),
 :mod:`~vllm_dsv4_backend.ops.rope` (q norm + RoPE + SWA insert, output
 de-rotation), :mod:`~vllm_dsv4_backend.ops.compressor`,
 :mod:`~vllm_dsv4_backend.ops.indexer`, and from vLLM's own torch references
@@ -224,7 +224,7 @@ def flash_mla_with_kvcache_cpu(
 ) -> None:
     """Sparse MLA over the SWA window slots and the compressed slots, one softmax
     with the sink: ``out[T, H, 512]``. Slots ``< 0`` or past the cache are skipped."""
-    from vllm_dsv4_backend.ops import checks, reference
+    from vllm_dsv4_backend.ops import checks, torch_sparse_mla
 
     def as_indices(slots: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         num_slots = cache.shape[0] * cache.shape[1]
@@ -245,7 +245,7 @@ def flash_mla_with_kvcache_cpu(
     dims = checks.check_decode_args(
         q4, win, idx, None, sink, scale, extra, extra_idx, None, out4, None
     )
-    reference.sparse_mla_decode_torch(
+    torch_sparse_mla.sparse_mla_decode_torch(
         q4, win, idx, None, sink, dims, extra, extra_idx, None, out=out4, need_lse=False
     )
 

@@ -9,6 +9,11 @@ builders, ~4 s of imports) are only needed where the model runs. So a patch is
 the target module (or immediately if it already has), in whichever process
 does so. A failing patch raises :class:`PatchError` from inside that import,
 so the engine stops with our message instead of a Triton error later.
+
+The patches themselves are listed, with why and when to remove them, in
+:mod:`.patches`; this module is the mechanism they share: one idempotency
+marker (:func:`mark_port` / :func:`is_port`), the signature checks and
+:class:`PatchError`.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 
 __all__ = [
     "PatchError",
+    "check_accepts_keyword",
     "check_signature",
     "is_port",
     "mark_port",
@@ -93,6 +99,21 @@ def check_signature(symbol: str, obj: Any, expected: Iterable[str]) -> None:
     want = list(expected)
     if params != want:
         raise fail(symbol, f"signature is ({', '.join(params)}), expected ({', '.join(want)})")
+
+
+def check_accepts_keyword(symbol: str, obj: Any, name: str) -> None:
+    """Raise :class:`PatchError` unless ``obj`` takes keyword ``name`` (or ``**kwargs``).
+
+    For wrappers that forward ``*args, **kwargs`` and only rewrite one keyword:
+    the exact parameter list of such a callable (a config class's generated
+    ``__init__``, ``LLM.__init__``) changes every release without mattering.
+    """
+    try:
+        params = inspect.signature(obj).parameters.values()
+    except (TypeError, ValueError) as e:
+        raise fail(symbol, f"cannot read its signature ({e})") from e
+    if not any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        raise fail(symbol, f"takes no {name!r} keyword")
 
 
 def replace_attr(

@@ -7,7 +7,9 @@ C++ kernels, but its metadata builders still launch Triton kernels that have
 no CPU backend without triton-cpu (not on PyPI). Each entry of
 :data:`KERNEL_PATCHES` swaps one module global for the matching torch port of
 :mod:`vllm_dsv4_backend.ops.metadata` after checking that the global exists
-and that its call signature is the one the port implements:
+and that its call signature is the one the port implements. The registry
+(:mod:`.patches`, entries ``T1``…``T8`` and ``B1``) arms them; this module
+holds the table and the install functions:
 
 ====  ==============================================================  =========
 id    vLLM 0.32 global                                                 read on CPU
@@ -24,7 +26,9 @@ T8    ``deepseek_v4.sparse_mla._BUILD_C128A_TOPK_METADATA_KERNEL``     not reach
 ====  ==============================================================  =========
 
 (``mla`` = ``vllm.v1.attention.backends.mla``.) T4–T8 are ported rather than
-stubbed so a future builder that does read them gets correct values.
+stubbed so a future builder that does read them gets correct values; the
+registry marks each port that vLLM 0.32's CPU path does not read
+(``Patch.read_on_cpu``).
 
 B1 (a vLLM 0.32 bug, hit with or without Triton):
 ``DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler`` returns only
@@ -43,7 +47,15 @@ from typing import Any
 
 from vllm_dsv4_backend.vllm_compat import hooks
 
-__all__ = ["KERNEL_PATCHES", "TorchKernel", "arm_cpu_patches", "fix_b1_tile_scheduler"]
+__all__ = [
+    "B1_MODULE",
+    "B1_SYMBOL",
+    "KERNEL_PATCHES",
+    "TorchKernel",
+    "fix_b1_tile_scheduler",
+    "install_kernel_port",
+    "kernel_modules",
+]
 
 _MLA = "vllm.v1.attention.backends.mla"
 
@@ -244,16 +256,33 @@ B1_MODULE = "vllm.models.deepseek_v4.cpu.cpu_mla"
 B1_SYMBOL = "DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler"
 
 
-def _apply_kernel_patch(patch: KernelPatch, module: ModuleType, on_applied) -> None:
+def kernel_rows(key: str) -> tuple[KernelPatch, ...]:
+    """The table rows of port ``key`` (``T1`` has two: the global and its by-name copy)."""
+    rows = tuple(p for p in KERNEL_PATCHES if p.key == key)
+    if not rows:
+        raise ValueError(f"key: expected one of {sorted({p.key for p in KERNEL_PATCHES})}, "
+                         f"got {key!r}")
+    return rows
+
+
+def install_kernel_port(key: str, module: ModuleType, on_applied: Callable[[str], None]) -> bool:
+    """Replace the global of port ``key`` in ``module`` (checked signature,
+    ``hooks.mark_port`` marker); False if it already holds the port."""
     from vllm_dsv4_backend.ops import metadata as ports
 
-    fn = getattr(ports, patch.port)
-    _, _, current = hooks.resolve(module, patch.attr)
-    if hooks.is_port(current):
-        return
-    replacement: Any = TorchKernel(patch.key, fn, current) if patch.wrap else _bind(fn)
-    if hooks.replace_attr(module, patch.attr, replacement, expected_params=patch.params):
-        on_applied(f"{patch.key}:{module.__name__}.{patch.attr}")
+    changed = False
+    for patch in kernel_rows(key):
+        if patch.module != module.__name__:
+            continue
+        fn = getattr(ports, patch.port)
+        _, _, current = hooks.resolve(module, patch.attr)
+        if hooks.is_port(current):
+            continue
+        replacement: Any = TorchKernel(patch.key, fn, current) if patch.wrap else _bind(fn)
+        if hooks.replace_attr(module, patch.attr, replacement, expected_params=patch.params):
+            on_applied(f"{patch.key}:{module.__name__}.{patch.attr}")
+            changed = True
+    return changed
 
 
 def _bind(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -268,13 +297,14 @@ def _bind(fn: Callable[..., Any]) -> Callable[..., Any]:
     return port
 
 
-def fix_b1_tile_scheduler(module: ModuleType, on_applied) -> None:
-    """Patch B1 (see module docstring) in ``vllm.models.deepseek_v4.cpu.cpu_mla``."""
+def fix_b1_tile_scheduler(module: ModuleType, on_applied: Callable[[str], None]) -> bool:
+    """Patch B1 (see module docstring) in ``vllm.models.deepseek_v4.cpu.cpu_mla``;
+    False if already patched or fixed upstream."""
     import vllm.v1.attention.backends.mla.sparse_swa as sparse_swa
 
     owner, attr, current = hooks.resolve(module, B1_SYMBOL)
     if hooks.is_port(current):
-        return
+        return False
     hooks.check_signature(f"{B1_MODULE}.{B1_SYMBOL}", current, ("num_decode_tokens",))
     keys = tuple(
         getattr(sparse_swa, name)
@@ -290,7 +320,7 @@ def fix_b1_tile_scheduler(module: ModuleType, on_applied) -> None:
     if not isinstance(returned, dict):
         raise hooks.fail(f"{B1_MODULE}.{B1_SYMBOL}", f"returned {type(returned).__name__}")
     if set(keys) <= set(returned):
-        return  # fixed upstream
+        return False  # fixed upstream
 
     def build_tile_scheduler(self, num_decode_tokens: int) -> dict[str, None]:
         """CPU never plans FlashMLA tiles: every layer type maps to ``None``."""
@@ -298,23 +328,7 @@ def fix_b1_tile_scheduler(module: ModuleType, on_applied) -> None:
 
     hooks.replace_attr(owner, attr, build_tile_scheduler)
     on_applied(f"B1:{B1_MODULE}.{B1_SYMBOL}")
-
-
-def arm_cpu_patches(on_applied: Callable[[str], None]) -> list[str]:
-    """Arm every CPU patch; each applies when vLLM imports its module.
-
-    Returns the armed patch ids (``T1``…``T8``, ``B1``) for the startup log.
-    ``on_applied(desc)`` is called (in the process that imports the module)
-    for every replacement actually made.
-    """
-    armed: list[str] = []
-    for patch in KERNEL_PATCHES:
-        hooks.when_imported(patch.module, lambda m, p=patch: _apply_kernel_patch(p, m, on_applied))
-        if patch.key not in armed:
-            armed.append(patch.key)
-    hooks.when_imported(B1_MODULE, lambda m: fix_b1_tile_scheduler(m, on_applied))
-    armed.append("B1")
-    return armed
+    return True
 
 
 def kernel_modules() -> list[str]:

@@ -10,7 +10,8 @@ marker (and ``VLLM_DSV4_DUMMY_INIT`` is not 0), through the parameters' own
 weight loaders so every tensor-parallel size gets the same model. Models
 without the marker are untouched. Runs before ``process_weights_after_loading``,
 so CPU weight packing (``wo_a``'s ``bmm_cpu`` copy, the MoE repacking) sees the
-new values.
+new values. Registered as ``dummy_init_loader`` in :mod:`.patches`, which arms
+:func:`install` on the import of :data:`LOADER_MODULE`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from vllm_dsv4_backend import envs
 from vllm_dsv4_backend._logging import init_logger
 from vllm_dsv4_backend.vllm_compat import hooks
 
-__all__ = ["LOADER_MODULE", "LOADER_SYMBOL", "arm_dummy_loader_hook"]
+__all__ = ["LOADER_MODULE", "LOADER_SYMBOL", "install"]
 
 logger = init_logger(__name__)
 
@@ -31,12 +32,14 @@ LOADER_MODULE = "vllm.model_executor.model_loader.dummy_loader"
 LOADER_SYMBOL = "DummyModelLoader.load_weights"
 
 
-def _patch(module: ModuleType, on_applied: Callable[[str], None]) -> None:
+def install(module: ModuleType, on_applied: Callable[[str], None]) -> bool:
+    """Wrap ``DummyModelLoader.load_weights`` in ``module`` (checked signature,
+    ``hooks.mark_port`` marker); False if already wrapped."""
     from vllm_dsv4_backend import dummy_init
 
     owner, attr, original = hooks.resolve(module, LOADER_SYMBOL)
     if hooks.is_port(original):
-        return
+        return False
     hooks.check_signature(f"{LOADER_MODULE}.{LOADER_SYMBOL}", original, ("model", "model_config"))
 
     def load_weights(self: Any, model: Any, model_config: Any) -> None:
@@ -71,8 +74,4 @@ def _patch(module: ModuleType, on_applied: Callable[[str], None]) -> None:
     load_weights.__wrapped__ = original  # type: ignore[attr-defined]
     hooks.replace_attr(owner, attr, load_weights)
     on_applied(f"loader:{LOADER_MODULE}.{LOADER_SYMBOL}")
-
-
-def arm_dummy_loader_hook(on_applied: Callable[[str], None]) -> None:
-    """Arm the wrapper; it is installed when vLLM imports the dummy loader."""
-    hooks.when_imported(LOADER_MODULE, lambda m: _patch(m, on_applied))
+    return True

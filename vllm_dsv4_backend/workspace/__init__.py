@@ -8,7 +8,6 @@
   stable addresses, stream-fenced sharing, stats) and its errors.
 * ``streams``: the ``StreamBackend`` protocol, CUDA / no-stream / simulated.
 * ``alloc_counter``: ``count_allocations()`` for any device.
-* ``schedule``: the DeepSeek-V4 stream fan-out used by the race tests.
 
 Never imports vLLM. See docs/workspace.md.
 """

@@ -55,12 +55,13 @@ time, and each micro-batch has its own slots.
 from __future__ import annotations
 
 import contextlib
-import os
 import types
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+
+from vllm_dsv4_backend import envs
 
 from .alloc_counter import AllocationCounter
 from .sizing import (
@@ -74,6 +75,7 @@ from .sizing import (
 )
 from .streams import StreamBackend, default_backend
 
+# The settings' names, for messages; envs.py is their only reader.
 ENV_POLICY = "VLLM_DSV4_WORKSPACE"
 ENV_DEBUG = "VLLM_DSV4_WORKSPACE_DEBUG"
 DEFAULT_POLICY = "shared"
@@ -88,21 +90,28 @@ class WorkspaceLeaseError(RuntimeError):
 
 
 def resolve_policy(policy: str | None = None) -> str:
-    """``policy`` if given, else ``$VLLM_DSV4_WORKSPACE`` (default ``shared``)."""
+    """``policy`` if given, else the ``VLLM_DSV4_WORKSPACE`` setting (default ``shared``).
+
+    Raises:
+        ValueError: an unknown ``policy``, or a bad setting (the error of
+            :mod:`vllm_dsv4_backend.envs`, the same as every other reader's).
+    """
     if policy is None:
-        policy = os.environ.get(ENV_POLICY, "").strip().lower() or DEFAULT_POLICY
-        if policy not in POLICIES:
-            raise ValueError(f"{ENV_POLICY}: expected one of {POLICIES}, got {policy!r}")
-    elif policy not in POLICIES:
+        policy = envs.VLLM_DSV4_WORKSPACE
+    if policy not in POLICIES:
         raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
     return policy
 
 
 def resolve_debug(debug: bool | None = None) -> bool:
-    """``debug`` if given, else ``$VLLM_DSV4_WORKSPACE_DEBUG`` in {1,true,yes}."""
+    """``debug`` if given, else the ``VLLM_DSV4_WORKSPACE_DEBUG`` setting (default off).
+
+    Raises:
+        ValueError: a bad setting (e.g. ``maybe``; the error of :mod:`vllm_dsv4_backend.envs`).
+    """
     if debug is not None:
         return bool(debug)
-    return os.environ.get(ENV_DEBUG, "").strip().lower() in ("1", "true", "yes", "on")
+    return envs.VLLM_DSV4_WORKSPACE_DEBUG
 
 
 def _poison(views: Mapping[str, torch.Tensor]) -> None:
@@ -253,13 +262,13 @@ class WorkspaceManager:
         layers: ``(name, compress_ratio)`` per attention layer; default
             ``("layers.{i}", r)`` for ``config.compress_ratios``. More can be
             added with ``add_layer`` before ``reserve()``.
-        policy: ``"shared"``, ``"private"`` or ``"off"``; ``None`` reads
-            ``$VLLM_DSV4_WORKSPACE`` (default ``shared``).
+        policy: ``"shared"``, ``"private"`` or ``"off"``; ``None`` means the
+            ``VLLM_DSV4_WORKSPACE`` setting (read through ``envs``; default ``shared``).
         device: where the storage lives.
         streams: the ``StreamBackend``; default CUDA streams on CUDA devices,
             no streams on CPU; tests pass a ``SimStreamBackend``.
-        debug: poison released regions and check overlaps; ``None`` reads
-            ``$VLLM_DSV4_WORKSPACE_DEBUG``.
+        debug: poison released regions and check overlaps; ``None`` means the
+            ``VLLM_DSV4_WORKSPACE_DEBUG`` setting (read through ``envs``).
         shared_slots: slots per family and micro-batch under ``shared``
             (1 = least memory; 2 = ping-pong, so layer ``n+1``'s producer
             need not wait for layer ``n``'s consumer, at twice the memory).

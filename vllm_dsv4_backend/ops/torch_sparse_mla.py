@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Sparse MLA in vectorized PyTorch: the reference path that runs anywhere (torch only).
+"""Sparse MLA in vectorized PyTorch (torch only): the production CPU path of the plugin
+(``VLLM_DSV4_KERNEL=torch``, and the torch fallback of vLLM's C++ sparse-MLA op on CPUs
+without AVX512-BF16), which runs anywhere. (Formerly ``ops/reference.py``.)
 
 Semantics are FlashMLA's (``flash_mla_with_kvcache`` sparse decode over the ``fp8_ds_mla``
 cache, ``flash_mla_sparse_fwd`` prefill over a bf16 KV buffer), computed in fp32:

@@ -28,6 +28,9 @@ own fork/join events (``maybe_execute_in_parallel``) are left out on purpose:
 #52836 showed that safety resting on them breaks under reordering, skipped
 joins and DBO. Reuse of memory across layers, steps and families must be made
 safe by the manager alone.
+
+Test support only (the serving code never imports it); it lived in
+``workspace/schedule.py``.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ from typing import Any
 
 import torch
 
-from .manager import Lease, WorkspaceManager
-from .streams import StreamBackend
+from vllm_dsv4_backend.workspace.manager import Lease, WorkspaceManager
+from vllm_dsv4_backend.workspace.streams import StreamBackend
 
 VARIANTS: tuple[str, ...] = ("wide", "narrow", "random")
 STREAM_ROLES: tuple[str, ...] = ("default", "aux0", "aux1")

@@ -1,0 +1,50 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The compressor-store tests of tests/core/test_compressor_store.py that compare with
+vLLM's CPU ops, run against the real ``torch.ops._C`` ops instead of the scalar
+transliteration (tests/core stays torch-only).
+
+The ops exist only in the AVX512-BF16 ``_C`` build; on other CPUs vLLM loads
+``_C_AVX2``/``_C_AVX512`` without them (or the plugin registers torch fallbacks), and these
+tests skip.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+_CORE = Path(__file__).resolve().parents[1] / "core" / "test_compressor_store.py"
+_spec = importlib.util.spec_from_file_location("_core_compressor_store", _CORE)
+assert _spec is not None and _spec.loader is not None
+_core = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = _core
+_spec.loader.exec_module(_core)
+
+# Collected here, so they use this module's ``cpu_ops`` fixture.
+test_save_partial_states_matches_cpu_op = _core.test_save_partial_states_matches_cpu_op
+test_indexer_fp8_store_matches_cpu_op = _core.test_indexer_fp8_store_matches_cpu_op
+test_values_match_cpu_op_dequant = _core.test_values_match_cpu_op_dequant
+test_main_store_matches_cpu_op = _core.test_main_store_matches_cpu_op
+
+_NAMES = ("save_partial_states_cpu", "compress_norm_rope_store_cpu",
+          "compress_norm_rope_store_indexer_cpu")
+
+
+@pytest.fixture
+def cpu_ops():
+    import vllm._custom_ops  # noqa: F401  (loads the platform's _C library)
+
+    from vllm_dsv4_backend.vllm_compat import cpu_ops as fallbacks
+
+    if not all(hasattr(torch.ops._C, n) for n in _NAMES) or any(
+            fallbacks.is_fallback(n) for n in _NAMES):
+        pytest.skip("this vLLM build lacks the DeepSeek-V4 CPU compressor ops (they are only in "
+                    "the AVX512-BF16 _C library)")
+    return torch.ops._C
