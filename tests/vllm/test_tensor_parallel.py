@@ -2,11 +2,12 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Tensor parallel 2 on vLLM's CPU build: the tiny model under TP 2 vs TP 1.
 
-Three servers of the same serve config answer the same 16 requests one at a
+Four servers of the same serve config answer the same 16 requests one at a
 time (prompts of 1..600 tokens from the load test's set, so window-only, C4
 top-k and C128 paths all run; 8..16 greedy tokens): the session's
-``tiny_server`` (TP 1, the plugin's layer), and TP 2 with the plugin's layer
-and with vLLM's own. Under TP 2 each rank holds 4 of the 8 query heads (its
+``tiny_server`` (TP 1, the plugin's layer), and TP 2 with the plugin's layer,
+with vLLM's own, and with the seed's full command line (expert parallel, see
+``SEED_FLAGS``). Under TP 2 each rank holds 4 of the 8 query heads (its
 attention-sink slice; padded heads at -inf), half of every expert's
 intermediate dimension (no expert parallelism) and half of each
 column/row-parallel weight. The seeded dummy weights are generated
@@ -77,6 +78,17 @@ FORCED_P50 = 0.05
 FORCED_P99 = 0.75
 
 
+# TP 2 servers: the plugin's layer, vLLM's own, and the seed's full command line (expert
+# parallel, the MXFP4 indexer flag users know, the seed's all2all backend and tokenizer
+# mode). The test prompts (<= 600 tokens) select every compressed entry, so the indexer
+# cache dtype cannot change their outputs: EP vs TP 2 is expert placement alone.
+SEED_FLAGS = [
+    "--enable-expert-parallel", "--attention-config", '{"use_fp4_indexer_cache":true}',
+    "--all2all-backend", "allgather_reducescatter", "--tokenizer-mode", "deepseek_v4",
+]
+VARIANTS: dict[str, list[str]] = {"plugin": [], "vllm": [], "plugin_ep": SEED_FLAGS}
+
+
 def _bind_list(n: int) -> str | None:
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if len(cpus) < n:
@@ -96,14 +108,16 @@ def tp2_servers(tmp_path_factory) -> Iterator[dict[str, Target]]:
     root = tmp_path_factory.mktemp("tp2")
     with contextlib.ExitStack() as stack:
         servers = {}
-        for impl in ("plugin", "vllm"):
+        for name, extra in VARIANTS.items():
+            impl = "vllm" if name == "vllm" else "plugin"
             env = R.cpu_env(SCRATCH, {
                 **os.environ, "VLLM_DSV4_ATTN_IMPL": impl, "VLLM_CPU_OMP_THREADS_BIND": bind,
+                "VLLM_DSV4_MARKER_DIR": str(root / f"markers-{name}"),
             })  # fmt: skip
             srv = stack.enter_context(R.make_server(
-                serve, log_path=root / f"server-{impl}.log", env=env,
-                extra_args=["--tensor-parallel-size", "2"]))
-            servers[impl] = (srv, root / f"server-{impl}.log")
+                serve, log_path=root / f"server-{name}.log", env=env,
+                extra_args=["--tensor-parallel-size", "2", *extra]))
+            servers[name] = (srv, root / f"server-{name}.log")
         out = {}
         for impl, (srv, log) in servers.items():
             srv.wait_healthy(timeout=HEALTH_TIMEOUT)
@@ -124,7 +138,7 @@ def outputs(tiny_server, tp2_servers) -> dict[str, list[dict]]:
         out[f"tp2_{impl}"] = asyncio.run(_run_all(t.base_url, t.model, reqs, 1))
     dump = tp2_servers["plugin"].log.parent / "tp-outputs.json"
     dump.write_text(json.dumps(out))
-    for k in ("tp1", "tp2_plugin", "tp2_vllm"):
+    for k in ("tp1", *(f"tp2_{name}" for name in VARIANTS)):
         failed = [(i, r["error"]) for i, r in enumerate(out[k]) if "error" in r]
         assert not failed, f"{k}: requests failed: {failed[:4]} (logs: {dump.parent})"
         for req, r in zip(reqs, out[k]):
@@ -167,6 +181,23 @@ def test_tp2_plugin_layer_equals_vllm_layer(outputs) -> None:
                   tie_margin=0.0, drift_atol=PARITY_ATOL)
     print(f"TP 2, plugin vs vLLM layer: { {k: len(x) for k, x in v.items()} }; {v}")
     assert not v["bad"] and not v["tie"], f"plugin vs vLLM layer under TP 2: {v}"
+
+
+def test_seed_command_line_serves_with_expert_parallel(outputs, tp2_servers) -> None:
+    """vLLM 0.32's CPU experts ignore expert_map, so TP 2 + EP segfaulted on the first
+    request (cpu_fused_moe read past the rank's local experts). With the plugin's
+    moe_expert_map patch every request completes (checked by the fixture), in the worker the
+    patch is applied, and the outputs are TP 2's up to the reduction order of the experts
+    (the same near-tie rule as TP 2 vs TP 1)."""
+    log = tp2_servers["plugin_ep"].log
+    markers = [json.loads(p.read_text()) for p in (log.parent / "markers-plugin_ep").glob("*.json")]
+    applied = [a for m in markers for a in m.get("applied", [])]
+    assert any("honours expert_map" in str(a) for a in applied), markers
+    v = _verdicts(outputs["tp2_plugin"], outputs["tp2_plugin_ep"], outputs["requests"])
+    summary = {k: len(x) for k, x in v.items()}
+    print(f"TP 2 + EP vs TP 2 (plugin): {summary}; {v}")
+    assert not v["bad"], f"TP 2 + EP differs from TP 2 beyond rounding {summary}: {v['bad']}"
+    assert len(v["tie"]) <= MAX_TIES, f"too many near-tie divergences {summary}: {v['tie']}"
 
 
 def test_tp2_greedy_equals_tp1(outputs) -> None:
