@@ -1,12 +1,975 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The plugin's DeepSeek-V4 layer on CUDA (vLLM 0.33): not built yet."""
+"""The plugin's DeepSeek-V4 layer on CUDA: vLLM 0.33's
+``DeepseekV4FlashMLAAttention`` plus the workspace.
+
+The layer keeps vLLM's ``backend_cls`` (``DeepseekV4FlashMLABackend``: the KV
+specs, metadata builders and JIT warm-up key on ``FLASHMLA_SPARSE_DSV4``),
+vLLM's forward, its stream fan-out and its kernels (FlashMLA, DeepGEMM, the
+CuTe DSL / Triton fused ops). What changes is where the outputs of the eager
+region go:
+
+==========================================  ====================================  ==========
+buffer (vLLM 0.33 allocation)               now                                   stream
+==========================================  ====================================  ==========
+attention output ``_alloc_attn_out``        workspace ``q.out``                   default
+indexer q values / MXFP4 scales / weights   workspace ``indexer_q`` through the   aux0
+(``fused_indexer_q_rope_quant``)            kernel objects (``_INDEXER_Q_*`` or
+                                            their Triton twins) that take outputs
+C128 compressor fp32 scratch                workspace ``compressor`` through      aux0 (C128)
+(``_SPARSE_ATTN_COMPRESS_C128_BLOCK8``)     ``compressed_kv=``
+C4 decode global top-k indices and lengths  workspace ``topk.global``/``lens``    default
+(``compute_global_topk_indices_and_lens``)  through
+                                            ``_COMPUTE_GLOBAL_TOPK_INDICES_AND_
+                                            LENS_KERNEL``
+==========================================  ====================================  ==========
+
+Where vLLM 0.33 has **no output variant**, the allocation stays vLLM's and
+is not reimplemented here: the fused q-norm/RoPE/KV-insert
+(``fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert`` returns the padded
+q), DeepGEMM's MQA logits (``fp8_fp4_mqa_logits`` / ``..._paged_...``) and
+their fp32 upcast, FlashMLA's ``lse`` / ``max_logits`` / tile-scheduler
+metadata / split accumulators, the ``wq_b`` GEMM outputs, ``row_ends`` and
+``seq_lens // ratio``. The README's CUDA section lists them.
+
+Graphs and streams (see ``docs/workspace.md`` and the reference reading of
+vLLM 0.33):
+
+* Every lease of a step belongs to an :class:`vllm_dsv4_backend.eager.Step`
+  keyed by ``dbo_current_ubatch_id()``. The eager break
+  (``_sparse_indexer_and_attn``, decorated again here) takes its own leases
+  (the top-k family) and releases them before it returns, because at
+  piecewise-graph replay only its body runs; leases of the captured region
+  are taken at capture time and their addresses are frozen there, which the
+  workspace allows because it never grows or frees after load.
+* Dummy and profile runs (``attn_metadata`` not a dict) reserve the
+  workspace (so vLLM's memory profiler sees it) and take no lease: vLLM's
+  own code runs and nothing is written into the workspace.
+* Producers on aux streams lease on the stream they run on (the current
+  stream inside vLLM's ``execute_in_parallel``) and declare the default
+  stream as consumer; the manager's fences order every reuse.
+  :class:`GraphSafeCudaStreamBackend` drops a fence whose earlier user is
+  outside the capture that the new producer is in: at replay that user ran
+  in an earlier graph segment or eager break, which vLLM joins into the
+  default stream before the next segment launches (an event wait across a
+  capture boundary would be illegal, and is never needed).
+
+The vLLM bodies the overrides repeat are fingerprinted
+(:data:`COPIED_VLLM_BODIES`, checked by :func:`layer_cls`); the kernel
+objects' signatures are checked the same way (from source text for the CuTe
+DSL modules, which cannot be imported without ``cutlass``).
+"""
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import functools
+import hashlib
+import importlib.util
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from vllm.compilation.breakable_cudagraph import eager_break_during_capture
+from vllm.forward_context import get_forward_context
+from vllm.logger import init_logger
+from vllm.models.deepseek_v4.attention import DeepseekV4Indexer
+from vllm.models.deepseek_v4.compressor import DeepseekCompressor
+from vllm.models.deepseek_v4.nvidia.flashmla import DeepseekV4FlashMLAAttention
+
+from vllm_dsv4_backend import attention_config, eager, envs, testing
+from vllm_dsv4_backend.workspace import WorkspaceConfig, WorkspaceManager
+from vllm_dsv4_backend.workspace.streams import CudaStreamBackend
+
+logger = init_logger(__name__)
+
+__all__ = [
+    "COPIED_VLLM_BODIES",
+    "KERNEL_SIGNATURES",
+    "SOURCE_BODIES",
+    "DSV4CudaCompressor",
+    "DSV4CudaIndexer",
+    "DSV4FlashMLAAttention",
+    "GraphSafeCudaStreamBackend",
+    "VllmCudaKernels",
+    "layer_cls",
+    "make_workspace",
+    "workspace_manager_for",
+]
+
+SUPPORTED_VLLM = (0, 33)
+
+# vLLM methods whose body an override here repeats with only the output
+# buffers (and the kernel indirection) changed, or whose behaviour an override
+# relies on: "module:qualname", fingerprinted in vllm_compat/fingerprints.py.
+COPIED_VLLM_BODIES: tuple[str, ...] = (
+    # forward() wraps it: relies on it calling _alloc_attn_out and _o_proj.
+    "vllm.models.deepseek_v4.attention:DeepseekV4Attention.forward",
+    "vllm.models.deepseek_v4.attention:DeepseekV4Attention._alloc_attn_out",
+    "vllm.models.deepseek_v4.attention:DeepseekV4Attention._sparse_indexer_and_attn",
+    "vllm.models.deepseek_v4.attention:DeepseekV4Attention._prepare_and_attn",
+    "vllm.models.deepseek_v4.attention:DeepseekV4Indexer._q_rope_quant",
+    "vllm.models.deepseek_v4.attention:DeepseekV4Indexer.forward",
+    "vllm.models.deepseek_v4.common.ops.fused_indexer_q:fused_indexer_q_rope_quant",
+    "vllm.models.deepseek_v4.common.ops.cache_utils:compute_global_topk_indices_and_lens",
+    "vllm.models.deepseek_v4.compressor:DeepseekCompressor._compress_norm_rope_store",
+    "vllm.models.deepseek_v4.nvidia.flashmla:DeepseekV4FlashMLAAttention._forward_decode",
+    "vllm.models.deepseek_v4.nvidia.flashmla:DeepseekV4FlashMLAAttention.forward_mqa",
+)
+
+# Kernel objects called with caller-owned outputs: (module, class.__call__,
+# parameter names). Checked from the module's source text (no import).
+KERNEL_SIGNATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("vllm.models.deepseek_v4.common.ops.cache_utils",
+     "ComputeGlobalTopkIndicesAndLensKernel.__call__",
+     ("global_topk_indices", "topk_lens", "topk_indices", "token_to_req_indices",
+      "block_table", "block_size", "is_valid_token")),
+    ("vllm.models.deepseek_v4.common.ops.fused_indexer_q",
+     "FusedIndexerQRopeQuantTritonKernel.__call__",
+     ("positions", "index_q", "index_q_cos_sin_cache", "index_weights",
+      "index_weights_softmax_scale", "index_weights_head_scale", "index_q_fp8",
+      "index_weights_out", "fp8_max", "use_fnuz")),
+    ("vllm.models.deepseek_v4.common.ops.fused_indexer_q",
+     "FusedIndexerQRopeMxFp4TritonKernel.__call__",
+     ("positions", "index_q", "index_q_cos_sin_cache", "index_weights",
+      "index_weights_softmax_scale", "index_weights_head_scale", "index_q_packed",
+      "index_q_scale", "index_weights_out")),
+    ("vllm.models.deepseek_v4.nvidia.ops.fused_indexer_q_cutedsl",
+     "IndexerQMxFp4Kernel.__call__",
+     ("positions", "q", "cos_sin_cache", "weights", "weights_softmax_scale",
+      "weights_head_scale", "q_packed", "q_scale", "weights_out")),
+    ("vllm.models.deepseek_v4.nvidia.ops.fused_indexer_q_cutedsl",
+     "IndexerQFp8Kernel.__call__",
+     ("positions", "q", "cos_sin_cache", "weights", "weights_softmax_scale",
+      "weights_head_scale", "q_fp8", "weights_out")),
+    ("vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl",
+     "SparseAttnCompressC128Block8Kernel.__call__",
+     ("state_cache", "num_actual", "token_to_req_indices", "positions", "slot_mapping",
+      "block_table", "head_dim", "compressed_kv")),
+    ("vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl",
+     "SparseAttnNormRopeStoreKernel.__call__",
+     ("compressed_kv", "positions", "slot_mapping", "rms_norm_weight", "rms_norm_eps",
+      "cos_sin_cache", "kv_cache", "kv_slot_mapping", "compress_ratio", "head_dim",
+      "rope_head_dim")),
+)
+
+# Bodies mirrored from modules that import ``cutlass`` (no import on CPU):
+# (module, qualname) -> fingerprint of the source text, vLLM 0.33.0.
+SOURCE_BODIES: dict[tuple[str, str], str] = {
+    # DSV4CudaCompressor._compress_norm_rope_store repeats its C128 branch.
+    ("vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl",
+     "SparseAttnCompressorCuteDSL.__call__"): "1aed2b6b14e57d54",
+}
+
+_FP8_MAX = 448.0  # float8_e4m3fn (CUDA); e4m3fnuz is ROCm only
+
+
+def _ubatch_id() -> int:
+    try:
+        from vllm.v1.worker.ubatching import dbo_current_ubatch_id
+    except ImportError:  # pragma: no cover - 0.33 has it
+        return 0
+    return int(dbo_current_ubatch_id())
+
+
+# --- streams -----------------------------------------------------------------------
+
+
+class _Fence:
+    __slots__ = ("event", "src")
+
+    def __init__(self) -> None:
+        self.event: torch.cuda.Event | None = None
+        self.src: Any = None
+
+
+def _is_capturing(stream: Any) -> bool:
+    with torch.cuda.stream(stream):
+        return bool(torch.cuda.is_current_stream_capturing())
+
+
+class GraphSafeCudaStreamBackend(CudaStreamBackend):
+    """CUDA streams for the workspace, safe under CUDA-graph capture.
+
+    The manager fences a hand-over by ``record(event, consumer)`` followed by
+    ``wait(producer, event)``; this backend performs the record at the wait,
+    when both streams are known, and drops the pair when the producer's
+    stream is capturing and the earlier user's stream is not part of that
+    capture. Such a user ran in an earlier graph segment, an eager break or
+    before capture; at replay vLLM 0.33 joins every aux stream into the
+    default stream before each segment or eager break returns
+    (``execute_in_parallel`` / ``maybe_execute_in_parallel`` wait on their
+    done events), and segments launch on the default stream in order, so the
+    dependency holds without the event, which CUDA would reject anyway
+    (a captured wait on an uncaptured record). ``dropped`` counts them.
+    """
+
+    def __init__(self, device: torch.device | str | int | None = None) -> None:
+        super().__init__(device)
+        self.dropped = 0
+
+    def new_event(self) -> Any:
+        return _Fence()
+
+    def record(self, event: Any, stream: Any) -> None:
+        event.src = stream
+
+    def wait(self, stream: Any, event: Any) -> None:
+        src = event.src
+        if src is None:
+            return
+        event.src = None
+        if _is_capturing(stream) != _is_capturing(src):
+            self.dropped += 1
+            return
+        if event.event is None:
+            event.event = torch.cuda.Event(enable_timing=False)
+        event.event.record(src)
+        stream.wait_event(event.event)
+
+
+# --- kernels -----------------------------------------------------------------------
+
+
+class VllmCudaKernels:
+    """vLLM 0.33's CUDA kernel objects that accept caller-owned outputs.
+
+    Resolved at call time (the CuTe DSL modules import ``cutlass`` and
+    initialise the CUDA driver, so never at plugin load), with the dispatch
+    of vLLM's wrappers: CuTe DSL when ``has_cutedsl()``, else the Triton
+    twins. Tests replace the whole object with torch ops (a test double).
+    """
+
+    def global_topk_indices_and_lens(
+        self,
+        global_topk_indices: torch.Tensor,
+        topk_lens: torch.Tensor,
+        topk_indices: torch.Tensor,
+        token_to_req_indices: torch.Tensor,
+        block_table: torch.Tensor,
+        block_size: int,
+        is_valid_token: torch.Tensor,
+    ) -> None:
+        from vllm.models.deepseek_v4.common.ops.cache_utils import (
+            _COMPUTE_GLOBAL_TOPK_INDICES_AND_LENS_KERNEL,
+        )
+
+        _COMPUTE_GLOBAL_TOPK_INDICES_AND_LENS_KERNEL(
+            global_topk_indices, topk_lens, topk_indices, token_to_req_indices, block_table,
+            block_size, is_valid_token,
+        )
+
+    def indexer_q_fp8(
+        self,
+        *,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        weights: torch.Tensor,
+        weights_softmax_scale: float,
+        weights_head_scale: float,
+        q_fp8: torch.Tensor,
+        weights_out: torch.Tensor,
+    ) -> None:
+        from vllm.utils.import_utils import has_cutedsl
+
+        if has_cutedsl():
+            from vllm.models.deepseek_v4.nvidia.ops.fused_indexer_q_cutedsl import (
+                _INDEXER_Q_FP8_KERNEL,
+            )
+
+            _INDEXER_Q_FP8_KERNEL(
+                positions=positions, q=q, cos_sin_cache=cos_sin_cache, weights=weights,
+                weights_softmax_scale=weights_softmax_scale,
+                weights_head_scale=weights_head_scale, q_fp8=q_fp8.view(torch.uint8),
+                weights_out=weights_out,
+            )
+            return
+        from vllm.models.deepseek_v4.common.ops.fused_indexer_q import (
+            _FUSED_INDEXER_Q_ROPE_QUANT_TRITON_KERNEL,
+        )
+
+        _FUSED_INDEXER_Q_ROPE_QUANT_TRITON_KERNEL(
+            positions, q, cos_sin_cache, weights, weights_softmax_scale, weights_head_scale,
+            q_fp8, weights_out, fp8_max=_FP8_MAX, use_fnuz=False,
+        )
+
+    def indexer_q_mxfp4(
+        self,
+        *,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        weights: torch.Tensor,
+        weights_softmax_scale: float,
+        weights_head_scale: float,
+        q_packed: torch.Tensor,
+        q_scale: torch.Tensor,
+        weights_out: torch.Tensor,
+    ) -> None:
+        from vllm.utils.import_utils import has_cutedsl
+
+        if has_cutedsl():
+            from vllm.models.deepseek_v4.nvidia.ops.fused_indexer_q_cutedsl import (
+                _INDEXER_Q_MXFP4_KERNEL,
+            )
+
+            _INDEXER_Q_MXFP4_KERNEL(
+                positions=positions, q=q, cos_sin_cache=cos_sin_cache, weights=weights,
+                weights_softmax_scale=weights_softmax_scale,
+                weights_head_scale=weights_head_scale, q_packed=q_packed, q_scale=q_scale,
+                weights_out=weights_out,
+            )
+            return
+        from vllm.models.deepseek_v4.common.ops.fused_indexer_q import (
+            _FUSED_INDEXER_Q_ROPE_MXFP4_TRITON_KERNEL,
+        )
+
+        _FUSED_INDEXER_Q_ROPE_MXFP4_TRITON_KERNEL(
+            positions, q, cos_sin_cache, weights, weights_softmax_scale, weights_head_scale,
+            q_packed, q_scale, weights_out,
+        )
+
+    def c128_state_block_size(self) -> int:
+        from vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl import (
+            _SPARSE_ATTN_COMPRESS_C128_BLOCK8_KERNEL,
+        )
+
+        return int(_SPARSE_ATTN_COMPRESS_C128_BLOCK8_KERNEL.state_block_size)
+
+    def c128_compress(self, **kwargs: Any) -> None:
+        from vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl import (
+            _SPARSE_ATTN_COMPRESS_C128_BLOCK8_KERNEL,
+        )
+
+        _SPARSE_ATTN_COMPRESS_C128_BLOCK8_KERNEL(**kwargs)
+
+    def c128_store(self, **kwargs: Any) -> None:
+        from vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl import (
+            _SPARSE_ATTN_NORM_ROPE_STORE_KERNEL,
+        )
+
+        _SPARSE_ATTN_NORM_ROPE_STORE_KERNEL(**kwargs)
+
+    def flash_mla_with_kvcache(self, **kwargs: Any) -> Any:
+        # The module global vLLM's layer calls (a RuntimeError stub without
+        # FlashMLA's extensions).
+        from vllm.models.deepseek_v4.nvidia import flashmla
+
+        return flashmla.flash_mla_with_kvcache(**kwargs)
+
+
+# --- workspace ---------------------------------------------------------------------
+
+_managers: dict[tuple[int, int], WorkspaceManager] = {}
+_managers_lock = threading.Lock()
+
+
+def _indexer_kv_dtype(vllm_config: Any) -> str:
+    value = vllm_config.attention_config.resolve_indexer_kv_dtype("fp8")
+    # Anything else is refused by vLLM's indexer with its own message.
+    return value if value in ("fp8", "mxfp4") else "fp8"
+
+
+def make_workspace(
+    config: WorkspaceConfig, *, device: torch.device | str, streams: Any = None
+) -> WorkspaceManager:
+    """A workspace manager with the serving settings: policy, debug and the
+    test-only no-fence switch from :mod:`vllm_dsv4_backend.envs`."""
+    return WorkspaceManager(
+        config,
+        layers=[],
+        device=device,
+        streams=streams,
+        policy=envs.VLLM_DSV4_WORKSPACE,
+        debug=envs.VLLM_DSV4_WORKSPACE_DEBUG,
+        _unsafe_disable_fences_for_tests=not testing.fences_enabled(),
+    )
+
+
+def workspace_manager_for(
+    vllm_config: Any,
+    layer: DSV4FlashMLAAttention,
+    model_key: object,
+) -> WorkspaceManager:
+    """The workspace of one model (main model, MTP drafter or DSpark draft:
+    each has its own aux streams and top-k buffer, ``model_key``), created by
+    its first attention layer; reserved when the layers' weights are loaded."""
+    key = (id(vllm_config), id(model_key))
+    with _managers_lock:
+        manager = _managers.get(key)
+        if manager is None:
+            hf = vllm_config.model_config.hf_config
+            config = WorkspaceConfig(
+                max_num_batched_tokens=int(layer.max_num_batched_tokens),
+                num_local_heads=int(layer.n_local_heads),
+                padded_q_heads=int(layer.padded_heads),
+                head_dim=int(layer.head_dim),
+                index_n_heads=int(hf.index_n_heads),
+                index_head_dim=int(hf.index_head_dim),
+                index_topk=int(hf.index_topk),
+                indexer_kv_dtype=_indexer_kv_dtype(vllm_config),
+                num_ubatches=2 if getattr(vllm_config.parallel_config, "use_ubatching",
+                                          False) else 1,
+                # The attention output is leased; the padded q comes back from
+                # vLLM's fused q-norm/RoPE/KV-insert kernel (no out variant).
+                include_attn_out=True,
+                include_q=False,
+            )
+            device = torch.device(vllm_config.device_config.device)
+            streams = GraphSafeCudaStreamBackend(device) if device.type == "cuda" else None
+            manager = make_workspace(config, device=device, streams=streams)
+            _managers[key] = manager
+        return manager
+
+
+def _owner(module: Any) -> DSV4FlashMLAAttention | None:
+    ref = getattr(module, "_dsv4_owner_ref", None)
+    return ref() if ref is not None else None
+
+
+def _set_owner(module: Any, owner: DSV4FlashMLAAttention) -> None:
+    # A plain attribute: nn.Module.__setattr__ would register the parent
+    # layer as a submodule of its own child.
+    object.__setattr__(module, "_dsv4_owner_ref", weakref.ref(owner))
+
+
+# --- the indexer and the C128 compressor -------------------------------------------
+
+
+class DSV4CudaIndexer(DeepseekV4Indexer):
+    """vLLM's indexer with the quantized index q written into the step's
+    ``indexer_q`` lease by vLLM's kernel objects (on aux0 in vLLM's fan-out:
+    the lease is taken on the stream the call runs on, and the default
+    stream, where ``indexer_op`` reads it, is declared as consumer)."""
+
+    def _q_rope_quant(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        rotary_emb: torch.nn.Module,
+        indexer_weights: torch.Tensor,
+    ) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        owner = _owner(self)
+        step = owner._dsv4_current_step() if owner is not None else None
+        if (
+            step is None
+            or positions.shape[0] != step.num_tokens
+            or (not self.use_fp4_kv and _platform_fp8_dtype() != torch.float8_e4m3fn)
+        ):
+            # Dummy/profile run, or a shape the workspace was not sized for.
+            return super()._q_rope_quant(positions, q, rotary_emb, indexer_weights)
+        lease = step.lease("indexer_q")
+        home = owner._dsv4_home_stream()
+        if home is not None:
+            lease.used_on(home)
+        kernels = owner._dsv4_kernels
+        common = dict(
+            positions=positions,
+            q=q,
+            cos_sin_cache=rotary_emb.cos_sin_cache,
+            weights=indexer_weights,
+            weights_softmax_scale=self.softmax_scale,
+            weights_head_scale=self.n_head**-0.5,
+        )
+        weights_out = lease["weights"]
+        if self.use_fp4_kv:
+            q_packed, q_scale = lease["q"], lease["scales"]
+            kernels.indexer_q_mxfp4(**common, q_packed=q_packed, q_scale=q_scale,
+                                    weights_out=weights_out)
+            # As vLLM's wrapper: 4 ue8m0 bytes per (token, head) as one int32.
+            return (q_packed, q_scale.view(torch.int32).squeeze(-1)), weights_out
+        q_fp8 = lease["q"]
+        kernels.indexer_q_fp8(**common, q_fp8=q_fp8, weights_out=weights_out)
+        return q_fp8, weights_out
+
+
+def _platform_fp8_dtype() -> torch.dtype:
+    from vllm.platforms import current_platform
+
+    try:
+        return current_platform.fp8_dtype()
+    except Exception:  # noqa: BLE001 - an unspecified platform (CPU CI)
+        return torch.float8_e4m3fn
+
+
+class DSV4CudaCompressor(DeepseekCompressor):
+    """vLLM's MLA compressor of a C128 layer with its fp32 scratch
+    (``compressed_kv``) leased from the workspace: vLLM's CuTe DSL wrapper
+    allocates it per call; its two kernels take it as an argument. C4 and
+    the plain-row (bf16/fp8 full-cache) layouts allocate nothing here or have
+    no scratch argument, and run vLLM's code unchanged."""
+
+    def _compress_norm_rope_store(
+        self,
+        state_metadata: Any,
+        state_cache: torch.Tensor,
+        state_width: int,
+        positions: torch.Tensor,
+        rotary_emb: Any,
+        attn_metadata: dict[str, Any],
+        pdl_kwargs: dict,
+    ) -> None:
+        owner = _owner(self)
+        step = owner._dsv4_current_step() if owner is not None else None
+        k_cache_layer = self._static_forward_context[self.k_cache_prefix]
+        kv_cache = k_cache_layer.kv_cache
+        slot_mapping = state_metadata.slot_mapping
+        num_actual = slot_mapping.shape[0]
+        if (
+            step is None
+            or self.compress_ratio != 128
+            or self.head_dim != 512
+            or kv_cache.dtype != torch.uint8
+            or num_actual > step.num_tokens
+        ):
+            super()._compress_norm_rope_store(
+                state_metadata, state_cache, state_width, positions, rotary_emb,
+                attn_metadata, pdl_kwargs,
+            )
+            return
+        # vLLM's SparseAttnCompressorCuteDSL.__call__, C128 fp8_ds_mla branch.
+        if positions.numel() == 0:
+            return
+        if kv_cache.ndim != 3:
+            raise ValueError(
+                "CuTe DSL sparse-attn compressor expects the real DeepSeek V4 "
+                f"3D kv_cache layout, got ndim={kv_cache.ndim}.",
+            )
+        kernels = owner._dsv4_kernels
+        block_size = state_metadata.block_size
+        state_block_size = kernels.c128_state_block_size()
+        if block_size != state_block_size:
+            raise ValueError(
+                "CuTe DSL C128 sparse-attn compressor requires state-cache "
+                f"block_size={state_block_size}, got {block_size}."
+            )
+        k_cache_metadata = attn_metadata[self.k_cache_prefix]
+        lease = step.lease("compressor")
+        compressed_kv = lease["scratch"][:num_actual]
+        kernels.c128_compress(
+            state_cache=state_cache,
+            num_actual=num_actual,
+            token_to_req_indices=state_metadata.token_to_req_indices,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            block_table=state_metadata.block_table,
+            head_dim=self.head_dim,
+            compressed_kv=compressed_kv,
+        )
+        kernels.c128_store(
+            compressed_kv=compressed_kv,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            rms_norm_weight=self.norm.weight,
+            rms_norm_eps=self.rms_norm_eps,
+            cos_sin_cache=rotary_emb.cos_sin_cache,
+            kv_cache=kv_cache,
+            kv_slot_mapping=k_cache_metadata.slot_mapping,
+            compress_ratio=self.compress_ratio,
+            head_dim=self.head_dim,
+            rope_head_dim=self.rope_head_dim,
+        )
+        # Producer and consumer share this stream: hand the slot back now.
+        step.release("compressor")
+
+
+# --- the layer ---------------------------------------------------------------------
+
+
+class DSV4FlashMLAAttention(DeepseekV4FlashMLAAttention):
+    """DeepSeek-V4 attention served by the plugin (CUDA build of vLLM 0.33)."""
+
+    # backend_cls / swa_backend_cls: vLLM's, inherited on purpose.
+
+    def _get_indexer_cls(self, vllm_config: Any) -> type[DeepseekV4Indexer]:
+        return DSV4CudaIndexer
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        prefix: str,
+        topk_indices_buffer: torch.Tensor | None = None,
+        aux_stream_list: list[torch.cuda.Stream] | None = None,
+    ) -> None:
+        check_mxfp4_arch(vllm_config)
+        super().__init__(vllm_config, prefix, topk_indices_buffer, aux_stream_list)
+        model_key = aux_stream_list if aux_stream_list is not None else topk_indices_buffer
+        self._dsv4_attach(workspace_manager_for(vllm_config, self, model_key))
+
+    def _dsv4_attach(
+        self, workspace: WorkspaceManager, kernels: VllmCudaKernels | None = None
+    ) -> None:
+        """Register this layer with ``workspace`` and wire its indexer and
+        C128 compressor to it (``__init__`` does this; tests call it on
+        layers built without a ``VllmConfig``)."""
+        self._workspace = workspace
+        self._dsv4_kernels = kernels if kernels is not None else VllmCudaKernels()
+        self._dsv4_steps: dict[int, eager.Step] = {}
+        self._dsv4_homes: dict[int, Any] = {}
+        self._dsv4_logged = False
+        workspace.add_layer(self.prefix, self.compress_ratio)
+        if self.indexer is not None:
+            if not isinstance(self.indexer, DSV4CudaIndexer):
+                self.indexer.__class__ = DSV4CudaIndexer
+            _set_owner(self.indexer, self)
+        if self.compressor is not None and self.compress_ratio == 128:
+            # Built directly as DeepseekCompressor (no factory hook in 0.33);
+            # the subclass adds no state.
+            self.compressor.__class__ = DSV4CudaCompressor
+            _set_owner(self.compressor, self)
+
+    # --- step state (per micro-batch) ----------------------------------------------
+
+    def _dsv4_current_step(self) -> eager.Step | None:
+        return self._dsv4_steps.get(_ubatch_id())
+
+    def _dsv4_home_stream(self) -> Any:
+        return self._dsv4_homes.get(_ubatch_id())
+
+    @contextlib.contextmanager
+    def dsv4_step(self, num_tokens: int) -> Iterator[eager.Step]:
+        """One forward's leases of this layer and micro-batch, released on
+        exit; the current stream is the step's home (default) stream."""
+        ws = self._workspace
+        ubatch = _ubatch_id()
+        with eager.Step(ws, self.prefix, num_tokens, ubatch) as step:
+            self._dsv4_steps[ubatch] = step
+            self._dsv4_homes[ubatch] = ws.backend.current_stream()
+            try:
+                yield step
+            finally:
+                self._dsv4_steps.pop(ubatch, None)
+                self._dsv4_homes.pop(ubatch, None)
+
+    def _dsv4_reserve(self) -> None:
+        ws = self._workspace
+        if ws.reserved:
+            return
+        ws.reserve()
+        stats = ws.stats()
+        logger.info(
+            "vllm_dsv4_backend workspace (CUDA): policy %s, %.1f MiB reserved for %d "
+            "layers, %d micro-batch(es)",
+            ws.policy,
+            stats.get("reserved_bytes_total", 0) / 2**20,
+            len(ws.layers),
+            ws.config.num_ubatches,
+        )
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        parent = getattr(super(), "process_weights_after_loading", None)
+        if callable(parent):
+            parent(act_dtype)
+        # All of this model's layers exist by now: reserve before vLLM
+        # profiles memory (and before any CUDA graph is captured).
+        self._dsv4_reserve()
+        testing.after_layer_loaded(self)
+
+    # --- forward ---------------------------------------------------------------------
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        llama_4_scaling: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # vLLM's forward unchanged; the overridden hooks below lease from the
+        # step opened here.
+        self._dsv4_reserve()
+        attn_metadata = get_forward_context().attn_metadata
+        if not isinstance(attn_metadata, dict):
+            # Dummy / profile run: vLLM's code, nothing leased or written.
+            return super().forward(positions, hidden_states, llama_4_scaling)
+        with self.dsv4_step(hidden_states.shape[0]):
+            out = super().forward(positions, hidden_states, llama_4_scaling)
+        if not self._dsv4_logged:
+            self._dsv4_logged = True
+            testing.record_layer(self, f"ratio{self.compress_ratio}", "vllm_cuda")
+        testing.after_layer_forward(self, self._workspace)
+        return out
+
+    @property
+    def indexer_kv_dtype(self) -> str:
+        return self._workspace.config.indexer_kv_dtype
+
+    def _alloc_attn_out(self, num_tokens: int, hidden_states: torch.Tensor) -> Any:
+        step = self._dsv4_current_step()
+        if (
+            step is None
+            or num_tokens != step.num_tokens
+            or hidden_states.dtype != torch.bfloat16
+        ):
+            return super()._alloc_attn_out(num_tokens, hidden_states)
+        # Consumed by _o_proj on this (default) stream, after the eager break.
+        return step.lease("q")["out"]
+
+    @eager_break_during_capture
+    def _sparse_indexer_and_attn(
+        self,
+        hidden_states: torch.Tensor,
+        index_q: torch.Tensor | None,
+        index_q_scale: torch.Tensor | None,
+        index_weights: torch.Tensor | None,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        positions: torch.Tensor,
+        out: Any,
+    ) -> None:
+        # vLLM's body, plus the early hand-back of the indexer q.
+        if self.indexer is not None and index_q is not None:
+            assert index_weights is not None
+            q_quant = (index_q, index_q_scale) if index_q_scale is not None else index_q
+            self.indexer.indexer_op(
+                hidden_states,
+                q_quant,
+                None,
+                index_weights,
+            )
+            # Its last consumer is enqueued. At piecewise-graph replay only this
+            # body runs (no step): the lease was taken and returned at capture.
+            step = self._dsv4_current_step()
+            if step is not None:
+                step.release("indexer_q")
+
+        # MLA attention writes into the pre-allocated `out` buffer
+        # (see _alloc_attn_out).
+        self.forward_mqa(q, kv, positions, out)
+
+    def _forward_decode(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        swa_metadata: Any,
+        attn_metadata: Any,
+        swa_only: bool,
+        output: torch.Tensor,
+    ) -> None:
+        # vLLM 0.33's body; C4 global top-k into the workspace, through the
+        # kernel object (its wrapper allocates both outputs per call).
+        num_decodes = swa_metadata.num_decodes
+        num_decode_tokens = swa_metadata.num_decode_tokens
+        kernels = self._dsv4_kernels
+        ws = self._workspace
+
+        with contextlib.ExitStack() as stack:
+            topk_indices = None
+            topk_lens = None
+            if not swa_only:
+                assert attn_metadata is not None
+                assert swa_metadata.is_valid_token is not None
+                block_size = attn_metadata.block_size // self.compress_ratio
+                is_valid = swa_metadata.is_valid_token[:num_decode_tokens]
+                if self.compress_ratio == 4:
+                    # C4A: local indices differ per layer (filled by Indexer).
+                    assert self.topk_indices_buffer is not None
+                    local = self.topk_indices_buffer[:num_decode_tokens]
+                    if ws.reserved and local.shape[-1] == ws.config.index_topk:
+                        # Its own step: at graph replay this eager body runs
+                        # without the forward's.
+                        step = stack.enter_context(
+                            eager.Step(ws, self.prefix, num_decode_tokens, _ubatch_id())
+                        )
+                        lease = step.lease("topk")
+                        global_indices, topk_lens = lease["global"], lease["lens"]
+                        kernels.global_topk_indices_and_lens(
+                            global_indices,
+                            topk_lens,
+                            local,
+                            swa_metadata.token_to_req_indices,
+                            attn_metadata.block_table[:num_decodes],
+                            block_size,
+                            is_valid,
+                        )
+                    else:
+                        from vllm.models.deepseek_v4.common.ops import (
+                            compute_global_topk_indices_and_lens,
+                        )
+
+                        global_indices, topk_lens = compute_global_topk_indices_and_lens(
+                            local,
+                            swa_metadata.token_to_req_indices,
+                            attn_metadata.block_table[:num_decodes],
+                            block_size,
+                            is_valid,
+                        )
+                    topk_indices = global_indices.view(num_decode_tokens, 1, -1)
+                else:
+                    # C128A: pre-computed during metadata build.
+                    topk_indices = attn_metadata.c128a_global_decode_topk_indices
+                    topk_lens = attn_metadata.c128a_decode_topk_lens
+
+            swa_indices = swa_metadata.decode_swa_indices
+            swa_lens = swa_metadata.decode_swa_lens
+            q = q.unsqueeze(1)
+            swa_cache = self.swa_cache_layer.kv_cache.unsqueeze(-2)
+            if kv_cache is not None:
+                kv_cache = kv_cache.unsqueeze(-2)
+
+            if self.compress_ratio <= 1:
+                tile_metadata = swa_metadata.tile_sched_swaonly
+            elif self.compress_ratio == 4:
+                tile_metadata = swa_metadata.tile_sched_c4a
+            elif self.compress_ratio == 128:
+                tile_metadata = swa_metadata.tile_sched_c128a
+            else:
+                raise ValueError(
+                    f"Unsupported compress_ratio={self.compress_ratio}; "
+                    "expected 1, 4, or 128."
+                )
+            assert tile_metadata is not None, (
+                "swa_metadata missing tile_sched entry for "
+                f"compress_ratio={self.compress_ratio}; "
+                "DeepseekSparseSWAMetadataBuilder.build_tile_scheduler did not "
+                "allocate one for this layer type."
+            )
+
+            kernels.flash_mla_with_kvcache(
+                q=q,
+                k_cache=swa_cache,
+                block_table=None,
+                head_dim_v=512,
+                tile_scheduler_metadata=tile_metadata,
+                cache_seqlens=None,
+                is_fp8_kvcache=True,
+                indices=swa_indices,
+                topk_length=swa_lens,
+                softmax_scale=self.scale,
+                attn_sink=self.attn_sink,
+                extra_k_cache=kv_cache if not swa_only else None,
+                extra_indices_in_kvcache=topk_indices,
+                extra_topk_length=topk_lens,
+                out=output.unsqueeze(1),
+            )
+            # Leaving the block hands the top-k lease back: its consumer
+            # (FlashMLA, this stream) is enqueued.
+
+
+# --- checks and the factory ----------------------------------------------------------
+
+
+def check_mxfp4_arch(vllm_config: Any) -> None:
+    """Refuse the MXFP4 indexer cache below SM100 at layer construction,
+    naming the GPU and the supported values (vLLM's own check, later, names
+    neither the GPU nor the FP8 alternative)."""
+    if _indexer_kv_dtype(vllm_config) != "mxfp4":
+        return
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        return
+    capability = current_platform.get_device_capability()
+    name = current_platform.get_device_name()
+    message = attention_config.mxfp4_arch_error(
+        capability.major * 10 + capability.minor if capability is not None else None, name
+    )
+    if message is not None:
+        raise ValueError(message)
+
+
+def _source_node(module_name: str, qualname: str) -> tuple[str, Any] | None:
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or spec.origin is None:
+        return None
+    with open(spec.origin, encoding="utf-8") as f:
+        text = f.read()
+    node: Any = ast.parse(text)
+    for part in qualname.split("."):
+        found = None
+        for child in getattr(node, "body", []):
+            if isinstance(child, (ast.ClassDef, ast.FunctionDef)) and child.name == part:
+                found = child
+        if found is None:
+            return None
+        node = found
+    return text, node
+
+
+def source_fingerprint(module_name: str, qualname: str) -> str | None:
+    """``fingerprints.fingerprint`` of a definition read from source text (for
+    modules that cannot be imported on CPU); None if it is missing."""
+    found = _source_node(module_name, qualname)
+    if found is None:
+        return None
+    text, node = found
+    first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+    src = "\n".join(text.splitlines()[first - 1 : node.end_lineno])
+    lines = [ln.strip() for ln in src.splitlines() if ln.strip()]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+def source_params(module_name: str, qualname: str) -> list[str] | None:
+    """Parameter names (without ``self``) of ``qualname`` in ``module_name``'s
+    source file, read with ``ast`` (the module is not imported); ``None`` if
+    the file or the definition is missing."""
+    found = _source_node(module_name, qualname)
+    if found is None:
+        return None
+    node = found[1]
+    if not isinstance(node, ast.FunctionDef):
+        return None
+    args = node.args
+    names = [a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]]
+    return [n for n in names if n != "self"]
+
+
+def check_kernel_signatures() -> None:
+    """Raise ``PatchError`` unless every kernel object the layer calls has the
+    parameters it was written against."""
+    from vllm_dsv4_backend.vllm_compat import hooks
+
+    for module_name, qualname, want in KERNEL_SIGNATURES:
+        got = source_params(module_name, qualname)
+        if got is None:
+            raise hooks.fail(f"{module_name}.{qualname}", "not found in vLLM's source")
+        if tuple(got) != want:
+            raise hooks.fail(
+                f"{module_name}.{qualname}",
+                f"signature is ({', '.join(got)}), expected ({', '.join(want)})",
+            )
+
+
+@functools.cache
+def _checked() -> type:
+    import vllm
+
+    from vllm_dsv4_backend.vllm_compat import fingerprints, hooks, version
+
+    key = version.parse_version(str(vllm.__version__))
+    if key != SUPPORTED_VLLM:
+        raise NotImplementedError(
+            f"vllm_dsv4_backend's CUDA layer is written against vLLM "
+            f"{SUPPORTED_VLLM[0]}.{SUPPORTED_VLLM[1]}.x; this is vLLM {vllm.__version__}"
+        )
+    fingerprints.check(COPIED_VLLM_BODIES, f"{key[0]}.{key[1]}")
+    check_kernel_signatures()
+    for (module_name, qualname), want in SOURCE_BODIES.items():
+        got = source_fingerprint(module_name, qualname)
+        if got != want:
+            raise hooks.fail(
+                f"{module_name}.{qualname}",
+                f"its source changed (fingerprint {got}, the plugin's copy was written "
+                f"against {want}); the plugin's copy of this body must be re-read",
+            )
+    for name in ("_sparse_indexer_and_attn", "_prepare_and_attn_eager"):
+        base = getattr(DeepseekV4FlashMLAAttention, name)
+        if not hasattr(base, "__wrapped__"):
+            raise hooks.fail(
+                f"DeepseekV4Attention.{name}",
+                "is no longer decorated with eager_break_during_capture",
+            )
+    return DSV4FlashMLAAttention
+
 
 def layer_cls() -> type:
-    raise NotImplementedError(
-        "vllm_dsv4_backend has no DeepSeek-V4 attention layer for platform 'cuda' yet "
-        "(supported: cpu); set VLLM_DSV4_ATTN_IMPL=vllm to use vLLM's own layer"
-    )
+    """The CUDA layer, after checking the vLLM version (0.33.x), the vLLM
+    bodies it repeats and the kernel signatures it calls.
+
+    Raises:
+        NotImplementedError: another vLLM version.
+        PatchError: a copied body or a kernel signature changed.
+    """
+    return _checked()

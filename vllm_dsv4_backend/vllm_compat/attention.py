@@ -16,9 +16,14 @@ swapping that class:
   building the stock layer and swapping ``self.attn`` afterwards fails with
   "Duplicate layer name".
 * **CUDA** (vLLM 0.33 ``vllm/models/deepseek_v4/nvidia/model.py``):
-  ``_select_dsv4_attn_cls(vllm_config)`` maps ``attention_config.backend`` to a
-  layer class; it is wrapped to return the plugin's class when the backend is
-  ``FLASHMLA_SPARSE_DSV4`` (or ``CUSTOM``) and to defer to vLLM otherwise.
+  ``DeepseekV4DecoderLayer.__init__`` calls ``_select_dsv4_attn_cls(vllm_config)``,
+  which returns the module global ``DeepseekV4FlashMLAAttention`` (read at call
+  time) for ``FLASHMLA_SPARSE_DSV4`` / ``FLASHMLA_SPARSE`` and for the default
+  non-SM12 path; the main model, MTP and DSpark all build through that decoder
+  layer. That global is rebound to the plugin's subclass (FlashInfer and SM12
+  choices stay vLLM's). Only on vLLM 0.33.x, after :func:`check_cuda_hook_points`;
+  a hook point that differs keeps vLLM's layer with an error log (fail closed),
+  or raises under ``VLLM_DSV4_ATTN_IMPL=plugin``.
 
 :func:`install_attention_layer` arms the swap for when vLLM imports the model
 module (the class is usually resolved lazily, because it subclasses vLLM
@@ -57,11 +62,14 @@ __all__ = [
 CPU_MODULE = "vllm.models.deepseek_v4.cpu.model"
 CPU_SYMBOL = "DeepseekV4CPUAttention"
 CUDA_MODULE = "vllm.models.deepseek_v4.nvidia.model"
-CUDA_SYMBOL = "_select_dsv4_attn_cls"
+CUDA_SYMBOL = "DeepseekV4FlashMLAAttention"
+# The selector that reads CUDA_SYMBOL at call time, and the class that calls it.
+CUDA_SELECTOR = "_select_dsv4_attn_cls"
+CUDA_DECODER_LAYER = "DeepseekV4DecoderLayer"
+# The vLLM minor version the CUDA hook point was read from.
+CUDA_VLLM = (0, 33)
 LAYER_MODULE = "vllm_dsv4_backend.layer"
 LAYER_FACTORY = "get_attention_layer_cls"
-# attention_config.backend names for which the CUDA selector returns our class.
-CUDA_BACKENDS = ("FLASHMLA_SPARSE_DSV4", "CUSTOM")
 
 _installed: dict[str, Any] = {}
 
@@ -105,6 +113,50 @@ def _check_layer_cls(cls: Any) -> type:
     return cls
 
 
+def check_cuda_hook_points(module: ModuleType) -> type:
+    """Check vLLM 0.33's CUDA hook point in ``module`` (``nvidia/model.py``) and
+    return the class the module global holds now.
+
+    The module global ``DeepseekV4FlashMLAAttention`` must be a
+    ``DeepseekV4Attention`` subclass that ``_select_dsv4_attn_cls(vllm_config)``
+    reads by name at call time, and ``DeepseekV4DecoderLayer.__init__`` must
+    call that selector (the main model, MTP and DSpark all build through it).
+
+    Raises:
+        PatchError: another vLLM minor version, or a hook point that differs.
+    """
+    import vllm
+
+    from vllm_dsv4_backend.vllm_compat import version
+
+    got = version.parse_version(str(vllm.__version__))
+    if got != CUDA_VLLM:
+        raise hooks.fail(
+            f"{CUDA_MODULE}.{CUDA_SYMBOL}",
+            f"the plugin's CUDA layer was written against vLLM {CUDA_VLLM[0]}.{CUDA_VLLM[1]}.x",
+        )
+    _, _, current = hooks.resolve(module, CUDA_SYMBOL)
+    if not isinstance(current, type):
+        raise hooks.fail(f"{CUDA_MODULE}.{CUDA_SYMBOL}", f"is {current!r}, not a class")
+    _check_layer_cls(current)
+    _, _, selector = hooks.resolve(module, CUDA_SELECTOR)
+    hooks.check_signature(f"{CUDA_MODULE}.{CUDA_SELECTOR}", selector, ("vllm_config",))
+    names = getattr(getattr(selector, "__code__", None), "co_names", ())
+    if CUDA_SYMBOL not in names:
+        raise hooks.fail(
+            f"{CUDA_MODULE}.{CUDA_SELECTOR}",
+            f"no longer reads the module global {CUDA_SYMBOL}",
+        )
+    _, _, decoder = hooks.resolve(module, CUDA_DECODER_LAYER)
+    init_names = getattr(getattr(decoder.__init__, "__code__", None), "co_names", ())
+    if CUDA_SELECTOR not in init_names:
+        raise hooks.fail(
+            f"{CUDA_MODULE}.{CUDA_DECODER_LAYER}.__init__",
+            f"no longer builds its attention layer through {CUDA_SELECTOR}",
+        )
+    return current
+
+
 def _register_backend_of(cls: type) -> None:
     """Point FLASHMLA_SPARSE_DSV4 in the registry at the layer's backend class."""
     backend_cls = getattr(cls, "backend_cls", None)
@@ -132,7 +184,7 @@ def install_attention_layer(
             zero-argument callable returning it, resolved only when vLLM
             imports the model module.
         platform: ``"cpu"`` (rebinds ``cpu.model.DeepseekV4CPUAttention``) or
-            ``"cuda"`` (wraps ``nvidia.model._select_dsv4_attn_cls``).
+            ``"cuda"`` (rebinds ``nvidia.model.DeepseekV4FlashMLAAttention``).
         on_applied: called with a description once the swap is in place.
         optional: if resolving ``cls`` raises ``NotImplementedError`` (the
             provider has no layer for this platform), keep vLLM's layer and
@@ -174,28 +226,34 @@ def install_attention_layer(
             on_applied(f"attention:{CPU_MODULE}.{CPU_SYMBOL}={layer.__qualname__}")
 
     def install_cuda(module: ModuleType) -> None:
-        _, _, original = hooks.resolve(module, CUDA_SYMBOL)
-        if hooks.is_port(original):
-            original = original.__vllm_dsv4_original__
-        else:
-            hooks.check_signature(f"{CUDA_MODULE}.{CUDA_SYMBOL}", original, ("vllm_config",))
-        resolved = resolve()
-        if resolved is None:
+        # Fail closed: any hook point that differs from vLLM 0.33.x leaves vLLM's
+        # own layer in place with one clear log line (or raises under
+        # VLLM_DSV4_ATTN_IMPL=plugin).
+        try:
+            current = check_cuda_hook_points(module)
+            resolved = resolve()
+            if resolved is None:
+                return
+            layer = _check_layer_cls(resolved)
+            if current is not layer:
+                if not issubclass(layer, current):
+                    raise hooks.fail(
+                        f"{CUDA_MODULE}.{CUDA_SYMBOL}",
+                        f"is {current.__module__}.{current.__qualname__}, which "
+                        f"{layer.__qualname__} does not subclass",
+                    )
+                setattr(module, CUDA_SYMBOL, layer)
+        except hooks.PatchError as e:
+            if not optional:
+                raise
+            logger.error("keeping vLLM's own DeepSeek-V4 attention layer on CUDA: %s", e)
+            if on_applied:
+                on_applied(f"attention:vllm (plugin layer not installed: {e})")
             return
-        layer = _check_layer_cls(resolved)
-
-        def _select_dsv4_attn_cls(vllm_config: Any) -> type:
-            backend = vllm_config.attention_config.backend
-            if backend is not None and getattr(backend, "name", None) in CUDA_BACKENDS:
-                return layer
-            return original(vllm_config)
-
-        _select_dsv4_attn_cls.__vllm_dsv4_original__ = original  # type: ignore[attr-defined]
-        setattr(module, CUDA_SYMBOL, hooks.mark_port(_select_dsv4_attn_cls))
         _installed["cls"] = layer
         _register_backend_of(layer)
         if on_applied:
-            on_applied(f"attention:{CUDA_MODULE}.{CUDA_SYMBOL}->{layer.__qualname__}")
+            on_applied(f"attention:{CUDA_MODULE}.{CUDA_SYMBOL}={layer.__qualname__}")
 
     if platform == "cpu":
         hooks.when_imported(CPU_MODULE, install_cpu)

@@ -42,6 +42,31 @@ KNOWN: dict[str, dict[str, str]] = {
         "vllm.model_executor.layers.sparse_attn_indexer:SparseAttnIndexer.forward_cpu":
             "bf2fb77b5fa5bdf2",
     },
+    # Read from the vllm==0.33.0 wheel (layer/cuda.py COPIED_VLLM_BODIES).
+    "0.33": {
+        "vllm.models.deepseek_v4.attention:DeepseekV4Attention.forward":
+            "f6cb1b89b5a9524e",
+        "vllm.models.deepseek_v4.attention:DeepseekV4Attention._alloc_attn_out":
+            "849d7b8129de8176",
+        "vllm.models.deepseek_v4.attention:DeepseekV4Attention._sparse_indexer_and_attn":
+            "6cbd97b346291a0e",
+        "vllm.models.deepseek_v4.attention:DeepseekV4Attention._prepare_and_attn":
+            "286b9609633989d6",
+        "vllm.models.deepseek_v4.attention:DeepseekV4Indexer._q_rope_quant":
+            "fb2555cb2fb4264a",
+        "vllm.models.deepseek_v4.attention:DeepseekV4Indexer.forward":
+            "5107191d0d64dabc",
+        "vllm.models.deepseek_v4.common.ops.fused_indexer_q:fused_indexer_q_rope_quant":
+            "ba22a863327681be",
+        "vllm.models.deepseek_v4.common.ops.cache_utils:compute_global_topk_indices_and_lens":
+            "d1d3086ee9a8f9d2",
+        "vllm.models.deepseek_v4.compressor:DeepseekCompressor._compress_norm_rope_store":
+            "45873ded08c4b0e9",
+        "vllm.models.deepseek_v4.nvidia.flashmla:DeepseekV4FlashMLAAttention._forward_decode":
+            "6caed9c89e317811",
+        "vllm.models.deepseek_v4.nvidia.flashmla:DeepseekV4FlashMLAAttention.forward_mqa":
+            "6b62ae5fa919f811",
+    },
 }
 
 

@@ -1,0 +1,225 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The facts the plugin's CUDA layer relies on, against vLLM 0.33's real
+classes (imported on CPU), and its installation by ``register()`` on a
+simulated CUDA platform."""
+
+from __future__ import annotations
+
+import inspect
+import types
+
+import pytest
+from _cuda_guard import require_vllm033
+
+require_vllm033()
+
+import vllm.models.deepseek_v4.nvidia.model as nvm  # noqa: E402
+from vllm.models.deepseek_v4.attention import DeepseekV4Attention  # noqa: E402
+from vllm.models.deepseek_v4.nvidia import dspark, mtp  # noqa: E402
+from vllm.models.deepseek_v4.nvidia.flashmla import (  # noqa: E402
+    DeepseekSparseSWAFlashMLABackend,
+    DeepseekV4FlashMLAAttention,
+)
+from vllm.models.deepseek_v4.sparse_mla import DeepseekV4FlashMLABackend  # noqa: E402
+from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+
+from vllm_dsv4_backend import attention_config, plugin  # noqa: E402
+from vllm_dsv4_backend.layer import cuda, get_attention_layer_cls  # noqa: E402
+from vllm_dsv4_backend.vllm_compat import attention, fingerprints, hooks  # noqa: E402
+
+PLUGIN = cuda.DSV4FlashMLAAttention
+# Every method the plugin overrides on the layer, and the vLLM class it overrides.
+LAYER_OVERRIDES = ("__init__", "forward", "_alloc_attn_out", "_sparse_indexer_and_attn",
+                   "_forward_decode", "_get_indexer_cls")
+
+
+def _params(fn: object) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def test_get_attention_layer_cls_cuda_is_the_plugin_subclass() -> None:
+    cls = get_attention_layer_cls("cuda")
+    assert cls is PLUGIN
+    assert issubclass(cls, DeepseekV4FlashMLAAttention)
+    assert cls.__mro__[:3] == (PLUGIN, DeepseekV4FlashMLAAttention, DeepseekV4Attention)
+
+
+def test_backend_is_vllms_flashmla_sparse_dsv4() -> None:
+    assert PLUGIN.backend_cls is DeepseekV4FlashMLABackend
+    assert PLUGIN.swa_backend_cls is DeepseekSparseSWAFlashMLABackend
+    assert PLUGIN.backend_cls.get_name() == "FLASHMLA_SPARSE_DSV4"
+    assert AttentionBackendEnum.FLASHMLA_SPARSE_DSV4.get_class() is DeepseekV4FlashMLABackend
+
+
+def test_abstract_seams() -> None:
+    assert DeepseekV4Attention.__abstractmethods__ == frozenset(
+        {"_o_proj", "forward_mqa", "get_padded_num_q_heads"})
+    assert PLUGIN.__abstractmethods__ == frozenset()
+    # The plugin keeps vLLM's implementations of the seams.
+    for name in ("_o_proj", "forward_mqa", "get_padded_num_q_heads"):
+        assert name not in PLUGIN.__dict__
+
+
+@pytest.mark.parametrize("name", LAYER_OVERRIDES)
+def test_override_signatures_match_vllm(name: str) -> None:
+    ours = PLUGIN.__dict__[name]
+    theirs = getattr(DeepseekV4FlashMLAAttention, name)
+    if name == "__init__":
+        # vLLM's FlashMLA __init__ is (*args, **kwargs) forwarding to the base.
+        theirs = DeepseekV4Attention.__init__
+    assert _params(ours) == _params(theirs)
+
+
+@pytest.mark.parametrize("owner,base,name", [
+    (cuda.DSV4CudaIndexer, cuda.DeepseekV4Indexer, "_q_rope_quant"),
+    (cuda.DSV4CudaCompressor, cuda.DeepseekCompressor, "_compress_norm_rope_store"),
+])
+def test_submodule_override_signatures(owner: type, base: type, name: str) -> None:
+    assert _params(owner.__dict__[name]) == _params(getattr(base, name))
+
+
+def test_decorators_kept() -> None:
+    # vLLM decorates these with eager_break_during_capture...
+    for name in ("_sparse_indexer_and_attn", "_prepare_and_attn_eager"):
+        assert hasattr(getattr(DeepseekV4Attention, name), "__wrapped__"), name
+    # ...and every override of a decorated method carries it again.
+    for name, fn in PLUGIN.__dict__.items():
+        base = getattr(DeepseekV4FlashMLAAttention, name, None)
+        if callable(fn) and hasattr(base, "__wrapped__"):
+            assert hasattr(fn, "__wrapped__"), f"{name} lost eager_break_during_capture"
+    assert hasattr(PLUGIN._sparse_indexer_and_attn, "__wrapped__")
+
+
+def test_patch_point_reaches_every_decoder_layer() -> None:
+    assert nvm.DeepseekV4FlashMLAAttention.__name__ == "DeepseekV4FlashMLAAttention"
+    assert "_select_dsv4_attn_cls" in nvm.DeepseekV4DecoderLayer.__init__.__code__.co_names
+    assert "DeepseekV4FlashMLAAttention" in nvm._select_dsv4_attn_cls.__code__.co_names
+    # MTP and DSpark build their layers through the same DecoderLayer class.
+    assert mtp.DeepseekV4DecoderLayer is nvm.DeepseekV4DecoderLayer
+    assert dspark.DeepseekV4DecoderLayer is nvm.DeepseekV4DecoderLayer
+    assert attention.check_cuda_hook_points(nvm) is nvm.DeepseekV4FlashMLAAttention
+
+
+def test_copied_bodies_match_vllm_033() -> None:
+    fingerprints.check(cuda.COPIED_VLLM_BODIES, "0.33")
+    cuda.check_kernel_signatures()
+    for (module, qualname), want in cuda.SOURCE_BODIES.items():
+        assert cuda.source_fingerprint(module, qualname) == want
+
+
+def test_fingerprint_drift_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    symbol = cuda.COPIED_VLLM_BODIES[0]
+    monkeypatch.setitem(fingerprints.KNOWN["0.33"], symbol, "0" * 16)
+    cuda._checked.cache_clear()
+    try:
+        with pytest.raises(hooks.PatchError, match="source changed"):
+            cuda.layer_cls()
+    finally:
+        cuda._checked.cache_clear()
+
+
+def test_kernel_signature_drift_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    mod, qual, params = cuda.KERNEL_SIGNATURES[0]
+    monkeypatch.setattr(cuda, "KERNEL_SIGNATURES", ((mod, qual, params + ("extra",)),))
+    with pytest.raises(hooks.PatchError, match="signature"):
+        cuda.check_kernel_signatures()
+
+
+def _fake_config(backend: AttentionBackendEnum | None) -> types.SimpleNamespace:
+    return types.SimpleNamespace(attention_config=types.SimpleNamespace(backend=backend))
+
+
+@pytest.fixture
+def simulated_cuda(monkeypatch: pytest.MonkeyPatch):
+    """vLLM's current platform answering as CUDA (no GPU, nothing launched);
+    the plugin's process state and the module global restored afterwards."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False, raising=False)
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True, raising=False)
+    monkeypatch.setattr(nvm, "DeepseekV4FlashMLAAttention", DeepseekV4FlashMLAAttention)
+    monkeypatch.setattr(plugin, "_REGISTERED", False)
+    monkeypatch.setattr(plugin, "_state", {"applied": []})
+    monkeypatch.setattr(attention, "_installed", {})
+    monkeypatch.delenv("VLLM_DSV4_ATTN_IMPL", raising=False)
+    return current_platform
+
+
+def test_register_on_cuda_installs_the_module_global(simulated_cuda) -> None:
+    plugin.register()
+    state = plugin.state()
+    assert state["platform"] == "cuda"
+    assert nvm.DeepseekV4FlashMLAAttention is PLUGIN
+    assert attention.installed_attention_layer() is PLUGIN
+    assert any(a.endswith("DeepseekV4FlashMLAAttention=DSV4FlashMLAAttention")
+               for a in state["applied"])
+    # What the model's decoder layers (main, MTP, DSpark) now build:
+    assert nvm._select_dsv4_attn_cls(
+        _fake_config(AttentionBackendEnum.FLASHMLA_SPARSE_DSV4)) is PLUGIN
+    # FlashInfer stays vLLM's.
+    assert nvm._select_dsv4_attn_cls(
+        _fake_config(AttentionBackendEnum.FLASHINFER_MLA_SPARSE_DSV4)) is not PLUGIN
+    # A second call is a no-op.
+    applied = list(plugin.state()["applied"])
+    plugin.register()
+    assert plugin.state()["applied"] == applied
+    assert nvm.DeepseekV4FlashMLAAttention is PLUGIN
+    # Installing again (another register path) changes nothing either.
+    attention.install_attention_layer(PLUGIN, platform="cuda")
+    assert nvm.DeepseekV4FlashMLAAttention is PLUGIN
+
+
+def test_install_fails_closed_on_another_version(simulated_cuda, monkeypatch, caplog) -> None:
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    seen: list[str] = []
+    attention.install_attention_layer(PLUGIN, platform="cuda", on_applied=seen.append,
+                                      optional=True)
+    assert nvm.DeepseekV4FlashMLAAttention is DeepseekV4FlashMLAAttention
+    assert seen and "not installed" in seen[0] and "0.33" in seen[0]
+    with pytest.raises(hooks.PatchError, match="0.33"):
+        attention.install_attention_layer(PLUGIN, platform="cuda", optional=False)
+    assert nvm.DeepseekV4FlashMLAAttention is DeepseekV4FlashMLAAttention
+
+
+def test_install_fails_closed_when_the_hook_point_differs(simulated_cuda) -> None:
+    fake = types.ModuleType(attention.CUDA_MODULE)
+    fake.DeepseekV4FlashMLAAttention = DeepseekV4FlashMLAAttention
+
+    def _select_dsv4_attn_cls(vllm_config):  # no longer reads the global
+        return DeepseekV4Attention
+
+    fake._select_dsv4_attn_cls = _select_dsv4_attn_cls
+    fake.DeepseekV4DecoderLayer = nvm.DeepseekV4DecoderLayer
+    with pytest.raises(hooks.PatchError, match="no longer reads the module global"):
+        attention.check_cuda_hook_points(fake)
+
+
+def test_mxfp4_below_sm100_is_a_clear_startup_error(monkeypatch) -> None:
+    from vllm.platforms import current_platform
+
+    assert attention_config.mxfp4_arch_error(100, "NVIDIA B200") is None
+    assert attention_config.mxfp4_arch_error(103, "NVIDIA B300") is None
+    msg = attention_config.mxfp4_arch_error(90, "NVIDIA H200")
+    assert "NVIDIA H200" in msg and "9.0" in msg and "'fp8'" in msg and "10.x" in msg
+    assert "NVIDIA GeForce RTX 5090" in attention_config.mxfp4_arch_error(
+        120, "NVIDIA GeForce RTX 5090")
+
+    cfg = types.SimpleNamespace(attention_config=types.SimpleNamespace(
+        resolve_indexer_kv_dtype=lambda default: "mxfp4"))
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True, raising=False)
+    monkeypatch.setattr(current_platform, "get_device_capability",
+                        lambda device_id=0: types.SimpleNamespace(major=9, minor=0),
+                        raising=False)
+    monkeypatch.setattr(current_platform, "get_device_name", lambda device_id=0: "NVIDIA H200",
+                        raising=False)
+    with pytest.raises(ValueError, match="NVIDIA H200"):
+        cuda.check_mxfp4_arch(cfg)
+    # The layer checks before vLLM builds anything.
+    with pytest.raises(ValueError, match="compute capability 9.0"):
+        PLUGIN(cfg, prefix="model.layers.2.attn")
+    fp8 = types.SimpleNamespace(attention_config=types.SimpleNamespace(
+        resolve_indexer_kv_dtype=lambda default: default))
+    cuda.check_mxfp4_arch(fp8)  # no error
