@@ -39,6 +39,36 @@ def check_architecture(vllm_config: Any) -> None:
     )
 
 
+def check_settings(engine_args: Any, vllm_config: Any) -> None:
+    """Refuse, for DeepSeek-V4 on FLASHMLA_SPARSE_DSV4, the flags the backend
+    cannot honour instead of letting vLLM silently change them: a
+    ``--kv-cache-dtype`` that is not the 584 B fp8_ds_mla format, and a
+    ``--block-size`` other than the kernels' 256 tokens (vLLM's CPU platform
+    overrides it with only a warning)."""
+    from vllm_dsv4_backend.formats.constants import KERNEL_BLOCK_SIZE, KV_CACHE_DTYPES
+
+    backend = vllm_config.attention_config.backend
+    if backend is None or getattr(backend, "name", str(backend)) != BACKEND_NAME:
+        return
+    archs = list(getattr(vllm_config.model_config, "architectures", None) or [])
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        return
+    kv_dtype = getattr(engine_args, "kv_cache_dtype", None)
+    if kv_dtype is not None and str(kv_dtype) not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"--kv-cache-dtype {kv_dtype}: {BACKEND_NAME} (vllm_dsv4_backend) stores DeepSeek-V4's "
+            f"KV in the 584 B fp8_ds_mla format; supported: {list(KV_CACHE_DTYPES)} (all the "
+            "same format)"
+        )
+    block = getattr(engine_args, "block_size", None)
+    if block is not None and int(block) != KERNEL_BLOCK_SIZE:
+        raise ValueError(
+            f"--block-size {block}: {BACKEND_NAME} (vllm_dsv4_backend) pages DeepSeek-V4's "
+            f"caches in blocks of {KERNEL_BLOCK_SIZE} tokens (64 per SWA block, 64 C4 / 2 C128 "
+            f"entries per compressed block); drop --block-size or pass {KERNEL_BLOCK_SIZE}"
+        )
+
+
 def install_hook(arg_utils: ModuleType, on_applied: Callable[[str], None]) -> bool:
     """Check the architecture when vLLM builds its engine config
     (``EngineArgs.create_engine_config``); False if already in place."""
@@ -53,6 +83,7 @@ def install_hook(arg_utils: ModuleType, on_applied: Callable[[str], None]) -> bo
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         config = create(self, *args, **kwargs)
         check_architecture(config)
+        check_settings(self, config)
         return config
 
     hooks.replace_attr(arg_utils, symbol, create_engine_config,

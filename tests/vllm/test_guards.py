@@ -31,13 +31,14 @@ def tiny_llama(tmp_path_factory) -> Path:
     return d
 
 
-def _engine_config(model: Path, backend: str | None):
+def _engine_config(model: Path, backend: str | None, **extra):
     from vllm.engine.arg_utils import EngineArgs
 
     from vllm_dsv4_backend import guards
 
     guards.install()
     kwargs = {"attention_backend": backend} if backend else {}
+    kwargs.update(extra)
     return EngineArgs(model=str(model), load_format="dummy", tokenizer_mode="hf",
                       max_model_len=256, enforce_eager=True, **kwargs).create_engine_config()
 
@@ -55,3 +56,22 @@ def test_other_models_without_the_flag_are_untouched(tiny_llama):
 def test_dsv4_with_the_flag_passes():
     cfg = _engine_config(TINY_DSV4, "FLASHMLA_SPARSE_DSV4")
     assert cfg.attention_config.backend.name == "FLASHMLA_SPARSE_DSV4"
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "fp8_ds_mla"])
+def test_dsv4_supported_kv_cache_dtypes_pass(kv_dtype):
+    cfg = _engine_config(TINY_DSV4, "FLASHMLA_SPARSE_DSV4", kv_cache_dtype=kv_dtype,
+                         block_size=256)
+    assert cfg.cache_config.block_size == 256
+
+
+def test_dsv4_other_kv_cache_dtype_is_refused():
+    # vLLM alone accepts fp8_e5m2 and serves; the backend only has the fp8_ds_mla layout.
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype fp8_e5m2.*'auto', 'fp8', 'fp8_ds_mla'"):
+        _engine_config(TINY_DSV4, "FLASHMLA_SPARSE_DSV4", kv_cache_dtype="fp8_e5m2")
+
+
+def test_dsv4_other_block_size_is_refused():
+    # vLLM's CPU platform would override 128 with 256 and only warn.
+    with pytest.raises(ValueError, match=r"--block-size 128.*256"):
+        _engine_config(TINY_DSV4, "FLASHMLA_SPARSE_DSV4", block_size=128)
