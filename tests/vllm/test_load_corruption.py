@@ -185,12 +185,16 @@ class Target:
         return healthy(self.base_url)
 
 
-@pytest.fixture(scope="module", params=["shared", "private", "shared-nofence"])
+@pytest.fixture(scope="module",
+                params=["shared", "private", "shared-nofence", "shared-debug"])
 def served(request, tmp_path_factory) -> Iterator[Target]:
     """One server per workspace policy (pytest finishes one param before the next).
 
     ``shared-nofence`` is ``shared`` with the test-only switch that skips the workspace's
-    cross-stream fences (``VLLM_DSV4_TEST_UNSAFE_NO_FENCES=1``).
+    cross-stream fences (``VLLM_DSV4_TEST_UNSAFE_NO_FENCES=1``). ``shared-debug`` runs with
+    ``VLLM_DSV4_WORKSPACE_DEBUG=1``: every released region is poisoned with NaN and
+    overlapping leases raise, so a consumer that read a released buffer would show up as
+    NaN logprobs or a failed request (issue: the mixed traffic passes unchanged).
 
     Runs the plugin's attention layer (where the workspace lives). Reuses the session's
     ``tiny_server``
@@ -217,6 +221,7 @@ def served(request, tmp_path_factory) -> Iterator[Target]:
         **os.environ, "VLLM_DSV4_ATTN_IMPL": IMPL, "VLLM_DSV4_WORKSPACE": policy,
         "VLLM_DSV4_MARKER_DIR": str(run_dir / "markers"),
         "VLLM_DSV4_TEST_UNSAFE_NO_FENCES": "1" if variant == "nofence" else "0",
+        "VLLM_DSV4_WORKSPACE_DEBUG": "1" if variant == "debug" else "0",
     })  # fmt: skip
     log = run_dir / "server.log"
     with R.make_server(serve, log_path=log, env=env) as srv:
