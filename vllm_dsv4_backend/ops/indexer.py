@@ -45,6 +45,10 @@ DEFAULT_CHUNK_ELEMS = 1 << 22
 # Query values per chunk in indexer_q_rope_quant (1 MiB of float32).
 _Q_CHUNK_ELEMS = 1 << 18
 _MAX_ENTRY_CHUNK = 4096
+# Entry tiles of a fixed width and origin: BLAS rounds a column differently for a
+# different matrix width, so a batch-dependent chunk width would make a row's
+# logits depend on the other rows of the batch (tests/core/test_batch_invariance.py).
+_ENTRY_TILE = 512
 _INT64_MIN = -(2**63)
 _INT32_MIN = -(2**31)
 
@@ -369,12 +373,12 @@ def indexer_logits(
     if values_v.shape[0] == 0 or max_blocks == 0:
         return res.fill_(float("-inf"))
 
-    nc = min(width, _MAX_ENTRY_CHUNK)
+    nc = _ENTRY_TILE
     tc = max(1, min(t, max_chunk_elems // max(1, h * nc)))
     lens_all = seq_lens.long()
     # On CPU reading the lengths is free: skip entry chunks no token can see.
     host_lens = lens_all if dev.type == "cpu" else None
-    ar = _arange(width, dev)
+    ar = _arange(-(-width // nc) * nc, dev)
     for t0 in range(0, t, tc):
         t1 = min(t, t0 + tc)
         lens = lens_all[t0:t1]
@@ -398,7 +402,8 @@ def indexer_logits(
             if end < width:
                 res[t0:t1, end:].fill_(float("-inf"))
         for j0 in range(0, end, nc):
-            j1 = min(end, j0 + nc)
+            j1 = j0 + nc
+            jw = min(j1, width) - j0
             j = ar[j0:j1]
             page_col = j // bs
             in_table = page_col < max_blocks
@@ -424,7 +429,7 @@ def indexer_logits(
                 # relu(q.(k*s)) = s*relu(q.k) for the positive power-of-two FP8 scale:
                 # the same numbers, one multiply per entry instead of per value.
                 lg.mul_(k_scale)
-            res[t0:t1, j0:j1] = lg.masked_fill_(~valid, float("-inf"))
+            res[t0:t1, j0:j0 + jw] = lg[:, :jw].masked_fill_(~valid[:, :jw], float("-inf"))
     return res
 
 
