@@ -2,8 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The attention eager region of N DeepSeek-V4 layers, per workspace policy (torch only).
 
-One *step* mirrors what :class:`vllm_dsv4_backend.layer.DSV4CPUAttention` runs per forward
-between the projections and the output projection, for every layer in turn:
+A torch-only, vLLM-free model of one eager step per layer (the workspace policies' cost on a
+machine without vLLM, e.g. a lent GPU); the served CPU layer now runs vLLM's ``_C`` ops, and
+``bench.layer_ab`` times that real layer against vLLM's own. One step here:
 
 1. lease ``q`` (views ``q`` and ``out``), ``ops.rope.qnorm_rope_kv_insert`` into ``q``
    (q RMSNorm + RoPE into the padded q rows, SWA cache insert of the new token);
@@ -16,9 +17,10 @@ between the projections and the output projection, for every layer in turn:
 4. ``eager.attend`` (sparse MLA over the SWA window + compressed entries, sink) into ``out``;
 5. release ``topk`` and ``q``.
 
-The same functions serve the vLLM layer, so what is measured is what is served. The
-workspace is a :class:`~vllm_dsv4_backend.workspace.WorkspaceManager` per policy
-(``off`` / ``shared`` / ``private``), reserved once per run like at model load.
+The ``eager`` functions are the ones the CPU layer uses for the MXFP4 indexer and the
+``VLLM_DSV4_KERNEL=torch`` path. The workspace is a
+:class:`~vllm_dsv4_backend.workspace.WorkspaceManager` per policy (``off`` / ``shared`` /
+``private``), reserved once per run like at model load.
 
 Per case (mode x batch x context x policy) the benchmark reports p50/p99 step latency,
 allocations in the eager region (counted with the dispatch-mode counter of
@@ -609,7 +611,8 @@ def run_step(cfg: BenchConfig, case: Case, mgr: WorkspaceManager, probe: _StepPr
                             iq = indexer_ops.indexer_q_rope_quant(
                                 layer.idx_q_raw, case.positions, case.cos_sin,
                                 layer.idx_weights, softmax_scale=ic.HEAD_DIM**-0.5,
-                                head_scale=64**-0.5, dtype=cfg.indexer_kv_dtype,
+                                head_scale=layer.idx_q_raw.shape[1]**-0.5,
+                                dtype=cfg.indexer_kv_dtype,
                                 out=(iq_lease["q"], iq_lease["scales"] if fp4 else None,
                                      iq_lease["weights"]),
                             )
@@ -744,7 +747,8 @@ def _attention_fns(cfg: BenchConfig, case: Case, layer: _Layer, peer: bool
     if case.run_indexer:
         iq = indexer_ops.indexer_q_rope_quant(
             layer.idx_q_raw, case.positions, case.cos_sin, layer.idx_weights,
-            softmax_scale=ic.HEAD_DIM**-0.5, head_scale=64**-0.5, dtype=cfg.indexer_kv_dtype)
+            softmax_scale=ic.HEAD_DIM**-0.5, head_scale=layer.idx_q_raw.shape[1]**-0.5,
+            dtype=cfg.indexer_kv_dtype)
     eager.select_topk_c4(
         positions=case.positions, token_to_req=case.token_to_req,
         compressed_block_table=layer.comp_table, entries_per_block=layer.entries_per_block,
