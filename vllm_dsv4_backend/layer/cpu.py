@@ -53,10 +53,8 @@ from vllm.models.deepseek_v4.cpu.cpu_sparse import (
     DeepseekV4CPUIndexer,
 )
 from vllm.models.deepseek_v4.cpu.cpu_utils import map_local_to_global_slots_cpu
-from vllm.utils.math_utils import cdiv
-from vllm.utils.math_utils import round_up as _round_up
 
-from vllm_dsv4_backend import eager, envs, ops, testing
+from vllm_dsv4_backend import eager, envs, testing
 from vllm_dsv4_backend.backend import DSV4FlashMLASparseBackend, DSV4SWABackend
 from vllm_dsv4_backend.formats.constants import layer_kind
 from vllm_dsv4_backend.ops import compressor as compressor_ops
@@ -81,7 +79,6 @@ COPIED_VLLM_BODIES: tuple[str, ...] = (
 )
 
 _managers: dict[int, WorkspaceManager] = {}
-_scratches: dict[int, torch.Tensor] = {}
 _managers_lock = threading.Lock()
 _logged_kinds: set[str] = set()
 
@@ -310,8 +307,6 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         # All layers exist by now: reserve once, before vLLM profiles memory.
         if not self._workspace.reserved:
             self._workspace.reserve()
-            if self._sparse_mla == "torch":
-                self._reserve_attention_scratch()
             stats = self._workspace.stats()
             logger.info(
                 "vllm_dsv4_backend workspace: policy %s, %.1f MiB reserved for %d layers",
@@ -320,20 +315,6 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
                 len(self._workspace.layers),
             )
         testing.after_layer_loaded(self)
-
-    def _reserve_attention_scratch(self) -> None:
-        """One uint8 scratch for the torch sparse-MLA path, shared by the
-        model's layers (they run one after another on one stream), sized for
-        the widest row at max_num_batched_tokens."""
-        cfg = self._workspace.config
-        widest_compressed = max(self.index_topk, cdiv(self.max_model_len, 128))
-        nbytes = ops.decode_scratch_nbytes(
-            cfg.max_num_batched_tokens, 1, self.padded_heads, self.window_size,
-            _round_up(widest_compressed, 128),
-        )
-        _scratches[id(self._workspace)] = torch.empty(
-            nbytes, dtype=torch.uint8, device=self.attn_sink.device
-        )
 
     # --- the eager region ------------------------------------------------------------
 
@@ -551,13 +532,11 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
                 )
             compressed_cache_2d = self.kv_cache.view(self.kv_cache.shape[0], -1)
 
-        if self._sparse_mla == "torch":
-            self._torch_sparse_mla(
-                q, output, window_cache_2d, window_slots, swa_md.block_size,
-                compressed_cache_2d, compressed_slots, compressed_block_size,
-            )
-            return
-        torch.ops._C.flash_mla_with_kvcache_cpu(
+        # VLLM_DSV4_KERNEL=torch: the plugin's torch sparse MLA with the C++ op's
+        # call convention (the fallback cpu_ops registers where the op is missing).
+        sparse_mla = (cpu_ops.flash_mla_with_kvcache_cpu if self._sparse_mla == "torch"
+                      else torch.ops._C.flash_mla_with_kvcache_cpu)
+        sparse_mla(
             output,
             q,
             window_cache_2d,
@@ -600,35 +579,6 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         return map_local_to_global_slots_cpu(
             local_topk, swa_md.token_to_req_indices, flash_md.block_table,
             flash_md.block_size // self.compress_ratio,
-        )
-
-    def _torch_sparse_mla(
-        self,
-        q: torch.Tensor,
-        output: torch.Tensor,
-        window_cache_2d: torch.Tensor,
-        window_slots: torch.Tensor,
-        window_block_size: int,
-        compressed_cache_2d: torch.Tensor,
-        compressed_slots: torch.Tensor,
-        compressed_block_size: int,
-    ) -> None:
-        """``VLLM_DSV4_KERNEL=torch``: the plugin's torch sparse MLA (FlashMLA
-        semantics: only -1 is invalid) on the slot tables vLLM built."""
-        has_compressed = compressed_slots.shape[1] > 0
-        eager.attend(
-            q,
-            eager.block_view(window_cache_2d, window_block_size),
-            window_slots.to(torch.int32),
-            None,
-            self.attn_sink,
-            self.scale,
-            output,
-            eager.block_view(compressed_cache_2d, compressed_block_size)
-            if has_compressed else None,
-            compressed_slots.to(torch.int32) if has_compressed else None,
-            None,
-            scratch=_scratches.get(id(self._workspace)),
         )
 
     def _log_path(self) -> None:
