@@ -69,6 +69,17 @@ def _pct(xs: Sequence[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
 
 
+def _median_ci(xs: Sequence[float]) -> tuple[float, float]:
+    """Distribution-free 95% confidence interval of the median: the order
+    statistics ``n/2 -+ 0.98 sqrt(n)`` (binomial, normal approximation)."""
+    s = sorted(xs)
+    n = len(s)
+    half = 0.98 * n**0.5
+    lo = max(0, int(n / 2 - half))
+    hi = min(n - 1, int(-(-(n / 2 + half) // 1)) - 1)
+    return s[lo], s[max(lo, hi)]
+
+
 def _cpu_allocations(fn: Any) -> tuple[int, int]:
     """(allocations, bytes) of CPU memory made while ``fn()`` runs."""
     import torch
@@ -95,6 +106,9 @@ class _Recorder:
         self.case: str | None = None
         self.tokens: int | None = None
         self.rows: dict[tuple[str, str], dict[str, Any]] = {}
+        # Per case: one [plugin ms, vLLM ms] list per rep for each model step,
+        # summed over the step's layers (a step starts at the first layer).
+        self.steps: dict[str, list[list[list[float]]]] = {}
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -136,6 +150,9 @@ class _Recorder:
                 "case": self.case, "layer_kind": layer.layer_kind, "tokens": self.tokens,
                 "plugin_ms": [], "vllm_ms": [], "ratios": [], "identical": 0, "pairs": 0,
             })
+            steps = self.steps.setdefault(self.case, [])
+            if layer._first_layer or not steps:
+                steps.append([[0.0, 0.0] for _ in range(self.reps)])
             for r in range(self.reps):
                 order = ("plugin", "vllm") if r % 2 == 0 else ("vllm", "plugin")
                 times: dict[str, float] = {}
@@ -150,6 +167,8 @@ class _Recorder:
                 row["plugin_ms"].append(times["plugin"] * 1e3)
                 row["vllm_ms"].append(times["vllm"] * 1e3)
                 row["ratios"].append(times["vllm"] / times["plugin"])
+                steps[-1][r][0] += times["plugin"] * 1e3
+                steps[-1][r][1] += times["vllm"] * 1e3
                 row["pairs"] += 1
                 row["identical"] += int(torch.equal(outs["plugin"], outs["vllm"]))
             if "plugin_allocs" not in row:
@@ -168,20 +187,33 @@ class _Recorder:
     def summary(self) -> list[dict[str, Any]]:
         out = []
         for row in self.rows.values():
-            ratios = row["ratios"]
-            out.append({
-                "case": row["case"], "layer_kind": row["layer_kind"], "tokens": row["tokens"],
-                "pairs": row["pairs"], "identical": row["identical"],
-                "plugin_ms_median": statistics.median(row["plugin_ms"]),
-                "vllm_ms_median": statistics.median(row["vllm_ms"]),
-                "ratio_median": statistics.median(ratios),
-                "ratio_p10": _pct(ratios, 10), "ratio_p90": _pct(ratios, 90),
-                "plugin_allocs": row.get("plugin_allocs"),
-                "vllm_allocs": row.get("vllm_allocs"),
-                "plugin_alloc_bytes": row.get("plugin_alloc_bytes"),
-                "vllm_alloc_bytes": row.get("vllm_alloc_bytes"),
-            })
+            out.append(_row(row["case"], row["layer_kind"], row["tokens"], row["plugin_ms"],
+                            row["vllm_ms"], row["identical"], row))
+        for case, steps in self.steps.items():
+            pairs = [pair for step in steps for pair in step if pair[0] > 0]
+            tokens = next(r["tokens"] for r in self.rows.values() if r["case"] == case)
+            out.append(_row(case, "step", tokens, [p for p, _ in pairs],
+                            [v for _, v in pairs], None, {}))
         return out
+
+
+def _row(case: str, kind: str, tokens: int, plugin_ms: list[float], vllm_ms: list[float],
+         identical: int | None, allocs: dict[str, Any]) -> dict[str, Any]:
+    ratios = [v / p for p, v in zip(plugin_ms, vllm_ms)]
+    ci_lo, ci_hi = _median_ci(ratios)
+    return {
+        "case": case, "layer_kind": kind, "tokens": tokens, "pairs": len(ratios),
+        "identical": identical,
+        "plugin_ms_median": statistics.median(plugin_ms),
+        "vllm_ms_median": statistics.median(vllm_ms),
+        "ratio_median": statistics.median(ratios),
+        "ratio_p10": _pct(ratios, 10), "ratio_p90": _pct(ratios, 90),
+        "ratio_ci95_lo": ci_lo, "ratio_ci95_hi": ci_hi,
+        "plugin_allocs": allocs.get("plugin_allocs"),
+        "vllm_allocs": allocs.get("vllm_allocs"),
+        "plugin_alloc_bytes": allocs.get("plugin_alloc_bytes"),
+        "vllm_alloc_bytes": allocs.get("vllm_alloc_bytes"),
+    }
 
 
 def run(*, flash_shaped: bool = False, batches: Sequence[int] = (1, 8, 32),
@@ -225,23 +257,28 @@ def run(*, flash_shaped: bool = False, batches: Sequence[int] = (1, 8, 32),
         "schema": SCHEMA, "model": "flash-shaped" if flash_shaped else "tiny",
         "threads": torch.get_num_threads(), "reps": reps, "context": context,
         "wall_s": time.monotonic() - t0, "rows": rows,
-        "ratio_median_all": statistics.median(r["ratio_median"] for r in rows) if rows else None,
+        "ratio_median_all": statistics.median(
+            r["ratio_median"] for r in rows if r["layer_kind"] != "step") if rows else None,
     }
 
 
 def format_result(res: dict[str, Any]) -> str:
     title = (f"layer A/B ({res['model']} model, {res['threads']} thread(s)): ratio = vLLM "
-             "layer time / plugin layer time (>= 1: plugin at least as fast)")
+             "layer time / plugin layer time (>= 1: plugin at least as fast); p10..p90 of "
+             "the pairs, and the 95% confidence interval of the median; 'step' sums a "
+             "model step's layers")
     head = (f"{'case':<14}{'kind':<6}{'T':>6}{'plugin ms':>11}{'vLLM ms':>10}{'ratio':>8}"
-            f"{'p10..p90':>14}{'identical':>11}{'allocs p/v':>12}")
+            f"{'p10..p90':>14}{'median CI':>14}{'identical':>11}{'allocs p/v':>12}")
     lines = [title, head]
-    for r in res["rows"]:
+    for r in sorted(res["rows"], key=lambda r: (r["tokens"], r["case"], r["layer_kind"] == "step")):
+        same = "-" if r["identical"] is None else f"{r['identical']}/{r['pairs']}"
+        allocs = "-" if r["plugin_allocs"] is None else f"{r['plugin_allocs']}/{r['vllm_allocs']}"
         lines.append(
             f"{r['case']:<14}{r['layer_kind']:<6}{r['tokens']:>6}{r['plugin_ms_median']:>11.3f}"
             f"{r['vllm_ms_median']:>10.3f}{r['ratio_median']:>8.3f}"
-            f"{r['ratio_p10']:>7.2f}..{r['ratio_p90']:<5.2f}"
-            f"{r['identical']:>5}/{r['pairs']:<5}"
-            f"{r['plugin_allocs']:>6}/{r['vllm_allocs']}")
+            f"{r['ratio_p10']:>8.2f}..{r['ratio_p90']:<4.2f}"
+            f"{r['ratio_ci95_lo']:>8.3f}..{r['ratio_ci95_hi']:<5.3f}"
+            f"{same:>10}{allocs:>12}")
     lines.append(f"median ratio over rows: {res['ratio_median_all']:.3f}")
     return "\n".join(lines)
 

@@ -44,6 +44,7 @@ import threading
 from typing import Any
 
 import torch
+from vllm import _custom_ops as vllm_ops
 from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.models.deepseek_v4.cpu import cpu_compressor as vllm_cpu_compressor
@@ -52,7 +53,7 @@ from vllm.models.deepseek_v4.cpu.cpu_sparse import (
     DeepseekV4CPUAttention,
     DeepseekV4CPUIndexer,
 )
-from vllm.models.deepseek_v4.cpu.cpu_utils import map_local_to_global_slots_cpu
+from vllm.utils.torch_utils import _encode_layer_name
 
 from vllm_dsv4_backend import eager, envs, testing
 from vllm_dsv4_backend.backend import DSV4FlashMLASparseBackend, DSV4SWABackend
@@ -72,12 +73,14 @@ COPIED_VLLM_BODIES: tuple[str, ...] = (
     "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention.forward",
     "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention.forward_mqa",
     "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention._sparse_indexer_and_attn",
+    "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention._o_proj",
     "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUIndexer.forward",
     "vllm.models.deepseek_v4.cpu.cpu_sparse:_fused_indexer_q_rope_quant_cpu",
     "vllm.models.deepseek_v4.cpu.cpu_compressor:DeepseekV4CPUCompressor.forward",
     "vllm.model_executor.layers.sparse_attn_indexer:SparseAttnIndexer.forward_cpu",
 )
 
+_ROPE_DIM = 64  # vLLM's cpu_sparse._ROPE_DIM: the rotated tail of each head
 _managers: dict[int, WorkspaceManager] = {}
 _managers_lock = threading.Lock()
 _logged_kinds: set[str] = set()
@@ -109,12 +112,28 @@ class _StepTables:
 _step_tables: dict[int, _StepTables] = {}
 
 
+try:
+    from vllm.v1.worker.ubatching import dbo_current_ubatch_id as _dbo_ubatch_id
+except ImportError:  # a vLLM without micro-batching: always micro-batch 0
+    _dbo_ubatch_id = None
+
+
 def _ubatch_id() -> int:
-    try:
-        from vllm.v1.worker.ubatching import dbo_current_ubatch_id
-    except ImportError:
-        return 0
-    return int(dbo_current_ubatch_id())
+    return 0 if _dbo_ubatch_id is None else int(_dbo_ubatch_id())
+
+
+def _map_slots(
+    local: torch.Tensor, req_idx: torch.Tensor, block_table: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """``map_local_to_global_slots_cpu`` (vLLM's, same int64 result) in fewer
+    ops: every intermediate but the block ids and the result is updated in
+    place, and the -1 rows are masked once at the end."""
+    invalid = local < 0
+    offset = local.clamp(min=0).to(torch.int64)
+    block_pos = torch.div(offset, block_size, rounding_mode="floor")
+    offset.remainder_(block_size)
+    slot = block_table[req_idx.unsqueeze(-1), block_pos].to(torch.int64)
+    return slot.mul_(block_size).add_(offset).masked_fill_(invalid, -1)
 
 
 def _num_ubatches(vllm_config: Any) -> int:
@@ -221,7 +240,9 @@ class DSV4Indexer(DeepseekV4CPUIndexer):
         attn_metadata = get_forward_context().attn_metadata
         if isinstance(attn_metadata, dict):
             md = attn_metadata[self.k_cache.prefix]
-            if md.max_seq_len // self.compress_ratio <= self.topk_tokens:
+            short = md.max_seq_len // self.compress_ratio <= self.topk_tokens
+            self._dsv4_owner._short_topk = short
+            if short:
                 self.compressor(compressed_kv_score, positions, rotary_emb)
                 num_tokens = md.num_decode_tokens + md.num_prefill_tokens
                 if num_tokens > 0:
@@ -301,6 +322,12 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         self._path_logged = False
         # The model's first attention layer starts each step (clears the step tables).
         self._first_layer = next(iter(self._workspace.layers)) == self.prefix
+        # Resolved once: the forward path reads no setting and imports nothing.
+        self._layer_name_arg = _encode_layer_name(self.prefix)
+        self._markers = envs.VLLM_DSV4_MARKER_DIR is not None
+        self._win_offsets: torch.Tensor | None = None
+        # Set by the indexer each step: vLLM's short-context top-k fill ran.
+        self._short_topk = False
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         super().process_weights_after_loading(act_dtype)
@@ -344,8 +371,6 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
                         hidden_states
                     ).to(torch.float32)
                 qr, qr_scale, kv = self._split_qkv_and_norm(qr_kv)
-                from vllm.utils.torch_utils import _encode_layer_name
-
                 return torch.ops.vllm.deepseek_v4_cpu_prepare_and_attn(
                     hidden_states,
                     qr,
@@ -356,11 +381,12 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
                     indexer_weights,
                     positions,
                     o_padded,
-                    _encode_layer_name(self.prefix),
+                    self._layer_name_arg,
                 )
             finally:
                 self._step = None
-                testing.after_layer_forward(self, self._workspace)
+                if self._markers:
+                    testing.after_layer_forward(self, self._workspace)
 
     def _sparse_indexer_and_attn(
         self,
@@ -521,9 +547,18 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
             flash_md = attn_metadata.get(self.prefix)
             compressed_block_size = flash_md.block_size // self.compress_ratio
             if self.compress_ratio == 4:
-                compressed_slots = map_local_to_global_slots_cpu(
-                    self.topk_indices_buffer[: q.shape[0]], swa_md.token_to_req_indices,
-                    flash_md.block_table, compressed_block_size,
+                def c4_slots() -> torch.Tensor:
+                    return _map_slots(
+                        self.topk_indices_buffer[: q.shape[0]], swa_md.token_to_req_indices,
+                        flash_md.block_table, compressed_block_size,
+                    )
+
+                # Short context: the indexer filled the model-wide top-k buffer
+                # with "every visible entry", the same for every C4 layer of
+                # the step, so the mapped table is shared like the others.
+                compressed_slots = (
+                    tables.get("c4_short", flash_md, positions, c4_slots)
+                    if self._short_topk else c4_slots()
                 )
             else:
                 compressed_slots = tables.get(
@@ -549,16 +584,54 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
             self.scale,
         )
 
-    def _window_slots(self, swa_md: Any, positions: torch.Tensor) -> torch.Tensor:
-        """vLLM's causal sliding-window slot table ``[T, W]`` (int64, -1 pads)."""
-        window = self.window_size
-        start_pos = (positions - window + 1).clamp(min=0)
-        local_pos = start_pos.unsqueeze(-1) + torch.arange(window, device=positions.device)
-        valid_win = local_pos <= positions.unsqueeze(-1)
-        win_local = torch.where(valid_win, local_pos, torch.full_like(local_pos, -1))
-        return map_local_to_global_slots_cpu(
-            win_local, swa_md.token_to_req_indices, swa_md.block_table, swa_md.block_size
+    def _o_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """vLLM's ``_o_proj`` (inverse RoPE, grouped ``wo_a`` bmm, ``wo_b``)
+        with its three hand-over buffers in memory the step already holds:
+        the group-major bf16 ``wo_a`` input and then ``wo_b``'s token-major
+        input in the ``q.out`` lease (free once the inverse RoPE has read
+        ``o``), the bmm output in the fp32 inverse-RoPE result (dead once
+        copied). The same casts and copies in the same order: the same bytes."""
+        step = self._step
+        num_tokens, num_heads, head_dim = o.shape
+        groups, rank = self.n_local_groups, self.o_lora_rank
+        if (step is None or get_forward_context().attn_metadata is None
+                or o.dtype != torch.bfloat16 or groups * rank > num_heads * head_dim):
+            return super()._o_proj(o, positions)
+        o_derot = vllm_ops.inverse_gptj_rope_o_proj_cpu(
+            o, positions, self.rotary_emb.cos_sin_cache, _ROPE_DIM
         )
+        width = num_heads // groups * head_dim
+        scratch = step.lease("q")["out"].view(-1)
+        x = scratch[: groups * num_tokens * width].view(groups, num_tokens, width)
+        x.copy_(o_derot.view(num_tokens, groups, width).transpose(0, 1))
+        z = o_derot.view(-1).view(torch.bfloat16)[: groups * num_tokens * rank]
+        z = z.view(groups, num_tokens, rank)
+        assert self._wo_a_packed is not None
+        vllm_ops.bmm_cpu(z, x, self._wo_a_packed, True, None)
+        z_tokens = scratch[: num_tokens * groups * rank].view(num_tokens, groups, rank)
+        z_tokens.copy_(z.transpose(0, 1))
+        return self.wo_b(z_tokens.view(num_tokens, groups * rank))
+
+    def _window_slots(self, swa_md: Any, positions: torch.Tensor) -> torch.Tensor:
+        """vLLM's causal sliding-window slot table ``[T, W]`` (int64, -1 pads),
+        the same values as its ``forward_mqa`` builds, in half the ops: column
+        ``j`` holds window position ``max(p - W + 1, 0) + j``, -1 past ``p``."""
+        window = self.window_size
+        offsets = self._win_offsets
+        if offsets is None or offsets.device != positions.device:
+            offsets = self._win_offsets = torch.arange(window, device=positions.device)
+        pos = positions.unsqueeze(-1)
+        local = (positions - (window - 1)).clamp_(min=0).unsqueeze(-1) + offsets
+        # Columns past p (only when p < W - 1) are -1; they read block 0 like
+        # vLLM's clamped -1 before being masked.
+        invalid = local > pos
+        local.masked_fill_(invalid, 0)
+        block_size = swa_md.block_size
+        block_pos = torch.div(local, block_size, rounding_mode="floor")
+        local.remainder_(block_size)
+        slot = swa_md.block_table[swa_md.token_to_req_indices.unsqueeze(-1), block_pos]
+        slot = slot.to(torch.int64)
+        return slot.mul_(block_size).add_(local).masked_fill_(invalid, -1)
 
     def _dense_compressed_slots(
         self, swa_md: Any, flash_md: Any, positions: torch.Tensor
@@ -576,7 +649,7 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
             arange_w.unsqueeze(0).expand(num_tokens, width),
             torch.full((num_tokens, width), -1, device=device, dtype=torch.int64),
         )
-        return map_local_to_global_slots_cpu(
+        return _map_slots(
             local_topk, swa_md.token_to_req_indices, flash_md.block_table,
             flash_md.block_size // self.compress_ratio,
         )

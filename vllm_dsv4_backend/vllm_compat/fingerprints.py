@@ -33,6 +33,8 @@ KNOWN: dict[str, dict[str, str]] = {
             "896634ba1fb6875f",
         "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention._sparse_indexer_and_attn":
             "000c0a04b27111ae",
+        "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention._o_proj":
+            "0790aa1a21f7f064",
         "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUIndexer.forward":
             "00ccbabde569ae9a",
         "vllm.models.deepseek_v4.cpu.cpu_sparse:_fused_indexer_q_rope_quant_cpu":

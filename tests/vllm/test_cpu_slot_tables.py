@@ -1,0 +1,69 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The CPU layer's slot tables equal vLLM's, value for value.
+
+``layer/cpu.py`` builds the sliding-window and compressed slot tables with
+fewer ops than vLLM's ``DeepseekV4CPUAttention.forward_mqa`` (and shares them
+across the step's layers); the sparse-MLA kernel then reads exactly the same
+slots only if every entry, -1 pads included, is identical. The oracle is
+vLLM's own ``map_local_to_global_slots_cpu`` and vLLM's window formula.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+from vllm.models.deepseek_v4.cpu.cpu_utils import map_local_to_global_slots_cpu  # noqa: E402
+
+from vllm_dsv4_backend.layer import cpu as cpu_layer  # noqa: E402
+
+
+def _block_table(gen: torch.Generator, reqs: int, blocks: int) -> torch.Tensor:
+    return torch.randperm(reqs * blocks * 3, generator=gen)[: reqs * blocks].view(
+        reqs, blocks).to(torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("block_size", [1, 64, 256])
+def test_map_slots_equals_vllm(dtype, block_size):
+    gen = torch.Generator().manual_seed(block_size)
+    reqs, blocks, tokens, k = 5, 9, 37, 70
+    table = _block_table(gen, reqs, blocks)
+    local = torch.randint(-1, blocks * block_size, (tokens, k), generator=gen).to(dtype)
+    local[3] = -1  # an empty row
+    local[4, ::2] = -1
+    req = torch.randint(0, reqs, (tokens,), generator=gen, dtype=torch.int32)
+    want = map_local_to_global_slots_cpu(local, req, table, block_size)
+    got = cpu_layer._map_slots(local, req, table, block_size)
+    assert got.dtype == want.dtype == torch.int64
+    assert torch.equal(got, want)
+
+
+def _vllm_window_slots(window, positions, req, table, block_size):
+    # vLLM 0.32 DeepseekV4CPUAttention.forward_mqa, the window part.
+    start = (positions - window + 1).clamp(min=0)
+    local = start.unsqueeze(-1) + torch.arange(window)
+    local = torch.where(local <= positions.unsqueeze(-1), local, torch.full_like(local, -1))
+    return map_local_to_global_slots_cpu(local, req, table, block_size)
+
+
+@pytest.mark.parametrize("window", [1, 4, 128])
+def test_window_slots_equal_vllm(window):
+    gen = torch.Generator().manual_seed(window)
+    reqs, block_size, blocks = 4, 16, 20
+    table = _block_table(gen, reqs, blocks)
+    # Positions 0..W-2 (partial windows), exactly W-1, and deep into a request.
+    positions = torch.cat([torch.arange(0, window + 2),
+                           torch.randint(0, blocks * block_size, (30,), generator=gen)])
+    req = torch.randint(0, reqs, positions.shape, generator=gen, dtype=torch.int32)
+    md = SimpleNamespace(block_size=block_size, block_table=table, token_to_req_indices=req)
+    layer = SimpleNamespace(window_size=window, _win_offsets=None)
+    want = _vllm_window_slots(window, positions, req, table, block_size)
+    got = cpu_layer.DSV4CPUAttention._window_slots(layer, md, positions)
+    assert torch.equal(got, want)
+    # Second call reuses the cached offsets and gives the same table.
+    assert torch.equal(cpu_layer.DSV4CPUAttention._window_slots(layer, md, positions), want)
