@@ -1,0 +1,50 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""bench.solo_identity without a server: the verdict rules, the prompt set, and
+``vllm-dsv4-bench solo-identity`` reaching the module."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vllm_dsv4_backend.bench import cli, solo_identity as SI
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _out(ids, lps, tops):
+    return {"token_ids": ids, "logprobs": lps, "top": tops}
+
+
+def test_classify_same_tie_far():
+    top = [{1: -3.6, 2: -3.7}, {4: -3.5, 5: -3.55}]
+    solo = _out([1, 4], [-3.6, -3.5], top)
+    assert SI.classify(solo, solo, 1.0)[:2] == ("same", 0.0)
+    # parts at a near-tie: 2 vs 1, within 0.1 nats in both runs
+    tie = _out([2, 4], [-3.62, -3.5], [{2: -3.62, 1: -3.65}, {4: -3.5}])
+    kind, drift, why = SI.classify(tie, solo, 1.0)
+    assert kind == "tie" and "step 0" in why
+    # a pick outside the other run's top-20: far, whatever the margin
+    far = _out([9, 4], [-3.6, -3.5], [{9: -3.6, 1: -5.0}, {4: -3.5}])
+    assert SI.classify(far, solo, 100.0)[0] == "far"
+    # in each other's top but beyond the margin: far; drift before the split is reported
+    gap = _out([1, 5], [-3.9, -3.4], [{1: -3.9}, {5: -3.4, 4: -6.0}])
+    kind, drift, _ = SI.classify(gap, solo, 1.0)
+    assert kind == "far" and drift == pytest.approx(0.3)
+
+
+def test_prompts_are_deterministic_and_span_the_lengths():
+    model = ROOT / "configs" / "tiny-dsv4"
+    a = SI.make_prompts(model, 24)
+    assert a == SI.make_prompts(model, 24)
+    assert len(a) == 24 and min(map(len, a)) == 1 and max(map(len, a)) == 250
+
+
+def test_bench_cli_dispatches_the_layer_comparisons(capsys):
+    for name in cli.SUBCOMMANDS:
+        with pytest.raises(SystemExit) as ei:
+            cli.main([name, "--help"])
+        assert ei.value.code == 0
+    assert "--concurrency" in capsys.readouterr().out

@@ -1,0 +1,216 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""End to end under mixed traffic: how many outputs stay identical to the solo run,
+with the plugin's layer and with vLLM's own layer, served side by side.
+
+Two ``vllm serve`` of the tiny model (``configs/serve/tiny-dsv4-cpu.yaml``), one
+with ``VLLM_DSV4_ATTN_IMPL=plugin`` and one with ``vllm``. The same
+``--prompts`` prompts (1..250 words of the tokenizer's ordinary tokens, token
+ids so the lengths are exact; greedy, ``--tokens`` new tokens, top-20
+logprobs) go to each server alone, one at a time, then ``--runs`` times at
+``--concurrency``, the two servers taking turns. Every concurrent output is
+compared with the same server's solo output:
+
+* ``same``: identical token ids;
+* ``tie``: they part at a numerical near-tie (each pick within ``--tie-margin``
+  nats of the other run's pick in both runs' top-20);
+* ``far``: they part where one pick is outside the other run's top-20 or
+  further than the margin: a discrete flip upstream (the attention layer is
+  batch invariant, tests/core/test_batch_invariance.py, so in this random tiny
+  model that is MoE routing or a GEMM's batch-shape dependent rounding).
+
+Before the first divergence it also reports the largest top-1 logprob drift.
+Attention that is batch invariant gives 0 drift only if the rest of the
+model is too; vLLM's CPU GEMMs and MoE are not, so the bar is the comparison
+with vLLM's own layer in the same run, not identity.
+
+``python -m vllm_dsv4_backend.bench.solo_identity [--runs 2] [--json out.json]``.
+vLLM runs only in subprocesses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from vllm_dsv4_backend.bench.e2e import REPO, SERVE_CONFIG
+
+SCHEMA = "vllm-dsv4-solo-identity/1"
+IMPLS = ("plugin", "vllm")
+TOP_N = 20
+
+
+def make_prompts(model_dir: Path, n: int, seed: int = 0, max_words: int = 250) -> list[list[int]]:
+    """``n`` prompts of 1..``max_words`` ordinary tokens (no added/special ones)."""
+    from tokenizers import Tokenizer
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    special = set(tok.get_added_tokens_decoder())
+    vocab = min(tok.get_vocab_size(with_added_tokens=True), int(cfg["vocab_size"]))
+    ids = [i for i in range(vocab) if i not in special]
+    rng = random.Random(seed)
+    lengths = [1, max_words] + [rng.randint(1, max_words) for _ in range(max(0, n - 2))]
+    return [[rng.choice(ids) for _ in range(k)] for k in lengths[:n]]
+
+
+async def _complete(session: Any, url: str, model: str, prompt: list[int], tokens: int
+                    ) -> dict[str, Any]:
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0,
+            "ignore_eos": True, "logprobs": TOP_N, "return_token_ids": True,
+            "return_tokens_as_token_ids": True}
+    async with session.post(f"{url}/v1/completions", json=body) as r:
+        text = await r.text()
+        if r.status != 200:
+            return {"error": f"HTTP {r.status}: {text[:300]}"}
+    choice = json.loads(text)["choices"][0]
+    lp = choice["logprobs"]
+    return {"token_ids": choice.get("token_ids"), "logprobs": lp["token_logprobs"],
+            "top": [{int(k.split(":")[1]): v for k, v in step.items()}
+                    for step in lp["top_logprobs"]]}
+
+
+async def _run_all(url: str, model: str, prompts: Sequence[list[int]], tokens: int,
+                   concurrency: int) -> list[dict[str, Any]]:
+    import aiohttp
+
+    sem = asyncio.Semaphore(concurrency)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        async def one(p: list[int]) -> dict[str, Any]:
+            async with sem:
+                return await _complete(session, url, model, p, tokens)
+
+        if concurrency == 1:
+            return [await one(p) for p in prompts]
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+def classify(conc: dict[str, Any], solo: dict[str, Any], tie_margin: float
+             ) -> tuple[str, float, str]:
+    """(``same`` | ``tie`` | ``far``, top-1 logprob drift before any divergence, why)."""
+    a_ids, b_ids = conc["token_ids"], solo["token_ids"]
+    k = next((i for i, (a, b) in enumerate(zip(a_ids, b_ids)) if a != b), None)
+    upto = len(a_ids) if k is None else k
+    drift = max((abs(x - y) for x, y in zip(conc["logprobs"][:upto], solo["logprobs"][:upto])),
+                default=0.0)
+    if k is None:
+        return "same", drift, ""
+    a, b = a_ids[k], b_ids[k]
+    top_c, top_s = conc["top"][k], solo["top"][k]
+    if b not in top_c or a not in top_s:
+        return "far", drift, f"step {k}: {a} vs {b} outside each other's top-{TOP_N}"
+    gap = max(top_c[a] - top_c[b], top_s[b] - top_s[a])
+    kind = "tie" if gap <= tie_margin else "far"
+    return kind, drift, f"step {k}: {a} vs {b}, gap {gap:.3f}"
+
+
+def run(*, prompts: int = 24, tokens: int = 16, concurrency: int = 16, runs: int = 2,
+        tie_margin: float = 1.0, health_timeout: float = 1200.0,
+        progress: TextIO | None = sys.stderr) -> dict[str, Any]:
+    from vllm_dsv4_backend import run as R
+
+    serve = R.load_serve_config(SERVE_CONFIG)
+    if serve.model_path is None:
+        raise ValueError(f"{SERVE_CONFIG}: the model must be a local directory")
+    scratch = Path(os.environ.get("DSV4_SCRATCH", REPO / ".scratch"))
+    out = scratch / "runs" / (time.strftime("%Y%m%d-%H%M%S") + "-solo-identity")
+    out.mkdir(parents=True, exist_ok=True)
+    reqs = make_prompts(serve.model_path, prompts)
+
+    def say(msg: str) -> None:
+        if progress is not None:
+            progress.write(f"[solo-identity] {msg}\n")
+            progress.flush()
+
+    t0 = time.monotonic()
+    servers: dict[str, Any] = {}
+    outputs: dict[str, dict[str, Any]] = {impl: {"solo": None, "concurrent": []}
+                                          for impl in IMPLS}
+    try:
+        for impl in IMPLS:
+            env = R.cpu_env(scratch, {**os.environ, "VLLM_DSV4_ATTN_IMPL": impl})
+            servers[impl] = R.make_server(serve, log_path=out / f"server-{impl}.log", env=env)
+            say(f"{impl}: starting vllm serve (log {servers[impl].log_path})")
+            servers[impl].start()
+        for impl in IMPLS:
+            servers[impl].wait_healthy(timeout=health_timeout, progress=progress)
+        for impl in IMPLS:
+            say(f"{impl}: {len(reqs)} prompts one at a time")
+            outputs[impl]["solo"] = asyncio.run(_run_all(
+                servers[impl].base_url, serve.served_model_name, reqs, tokens, 1))
+        for r in range(runs):
+            for impl in (IMPLS if r % 2 == 0 else IMPLS[::-1]):
+                say(f"{impl}: concurrent run {r + 1}/{runs} (concurrency {concurrency})")
+                outputs[impl]["concurrent"].append(asyncio.run(_run_all(
+                    servers[impl].base_url, serve.served_model_name, reqs, tokens,
+                    concurrency)))
+    finally:
+        for server in servers.values():
+            server.stop()
+    (out / "outputs.json").write_text(json.dumps({"prompts": reqs, "outputs": outputs}))
+
+    summary: dict[str, Any] = {}
+    for impl in IMPLS:
+        solo = outputs[impl]["solo"]
+        counts = {"same": 0, "tie": 0, "far": 0, "error": 0}
+        drifts: list[float] = []
+        far: list[str] = []
+        for r, conc in enumerate(outputs[impl]["concurrent"]):
+            for i, (c, s) in enumerate(zip(conc, solo)):
+                if "error" in c or "error" in s:
+                    counts["error"] += 1
+                    continue
+                kind, drift, why = classify(c, s, tie_margin)
+                counts[kind] += 1
+                drifts.append(drift)
+                if kind == "far":
+                    far.append(f"run {r} prompt {i} ({len(reqs[i])} tokens): {why}, "
+                               f"drift before {drift:.4f}")
+        summary[impl] = {**counts, "outputs": runs * len(reqs),
+                         "max_drift": max(drifts, default=None), "far": far}
+    return {"schema": SCHEMA, "prompts": len(reqs), "tokens": tokens,
+            "concurrency": concurrency, "runs": runs, "tie_margin": tie_margin,
+            "summary": summary, "out_dir": str(out), "wall_s": time.monotonic() - t0}
+
+
+def format_result(res: dict[str, Any]) -> str:
+    lines = [(f"{res['prompts']} prompts x {res['runs']} runs at concurrency "
+              f"{res['concurrency']} vs each server's solo run ({res['tokens']} greedy tokens)"),
+             f"{'layer':<8}{'same':>6}{'tie':>6}{'far':>6}{'error':>7}{'max drift':>11}"]
+    for impl, s in res["summary"].items():
+        drift = "n/a" if s["max_drift"] is None else f"{s['max_drift']:.4f}"
+        lines.append(f"{impl:<8}{s['same']:>3}/{s['outputs']:<2}{s['tie']:>6}{s['far']:>6}"
+                     f"{s['error']:>7}{drift:>11}")
+        lines.extend(f"    far: {w}" for w in s["far"])
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompts", type=int, default=24)
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--runs", type=int, default=2, help="concurrent runs per layer (default 2)")
+    p.add_argument("--tie-margin", type=float, default=1.0)
+    p.add_argument("--json", help="write the result here")
+    args = p.parse_args(argv)
+    if min(args.prompts, args.tokens, args.concurrency, args.runs) < 1:
+        p.error("--prompts, --tokens, --concurrency and --runs must be positive")
+    res = run(prompts=args.prompts, tokens=args.tokens, concurrency=args.concurrency,
+              runs=args.runs, tie_margin=args.tie_margin)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    print(format_result(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
