@@ -20,8 +20,9 @@ Two levels:
 
 ``ops.indexer.indexer_logits`` scores entries in fixed-width, fixed-origin tiles
 for this (a batch-dependent tile width changed a row's logits by 1-310 fp32
-ulp). One known exception is marked ``xfail``: padding a row's sparse-MLA index
-list with -1 to a wider width (the served CPU layer passes fixed widths).
+ulp), and ``ops.torch_sparse_mla`` reduces each index list in fixed 128-column
+segments from the list's own column 0, so padding a row's index lists with -1
+to a wider (batch-wide) width, or a smaller scratch budget, keeps its bits.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ import torch
 from vllm_dsv4_backend import ops
 from vllm_dsv4_backend.formats import fp8_ds_mla
 from vllm_dsv4_backend.formats import indexer_cache as ic
+from vllm_dsv4_backend.ops import checks, torch_sparse_mla
 from vllm_dsv4_backend.ops import indexer as indexer_ops
-from vllm_dsv4_backend.ops import torch_sparse_mla
 
 # ops/indexer.py indexer_logits: the entry chunk is [j0, min(end, j0 + nc)) with
 # nc = min(width, 4096) and end = the chunk's widest visible count, so the GEMM / GEMV
@@ -189,18 +190,16 @@ def test_sparse_mla_prefill_batch_and_chunk_invariant():
             assert _same(torch.cat([a[j], b[j]]), ref[j]), f"chunked at {cut}"
 
 
-# ops/torch_sparse_mla.py: the index axis is one segment of the call's full width (seg =
-# width whenever it fits the 32 MiB budget), so torch.sum(s, -1) and bmm(s, k) reduce over
-# a K that grows with -1 padding: out / lse move by ~1 bf16 / fp32 ulp. The plugin's CPU
-# layer passes fixed widths (128 window, 512 C4, cdiv(max_model_len, 128) C128), so it is
-# unaffected; a caller padding rows to the batch's widest (the C128 adaptive width of
-# backend.DSV4SparseMetadataBuilder, as vLLM's FlashMLA metadata does) is not. Fix:
-# fixed-width, fixed-origin index segments (e.g. 128 columns; the last one padded with
-# invalid columns, an all-invalid segment being an exact no-op), independent of the width.
-# Not strict: whether BLAS rounds a wider reduction differently depends on the CPU.
-@pytest.mark.xfail(strict=False, reason=(
-    "ops/torch_sparse_mla.py: -1 padding past a row's entries changes its bits (one "
-    "segment of the full call width); fix = fixed-width index segments"))
+# ops/torch_sparse_mla.py used to reduce the index axis as one segment of the call's full
+# width (seg = width whenever it fits the 32 MiB budget), so torch.sum(s, -1) and
+# bmm(s, k) reduced over a K that grew with -1 padding: out / lse moved by ~1 bf16 / fp32
+# ulp (this test failed on an AVX512 Xeon with MKL 2024.2). That matters to a caller padding
+# rows to the batch's widest (the C128 adaptive width of backend.DSV4SparseMetadataBuilder,
+# as vLLM's FlashMLA metadata does); the plugin's CPU layer passes fixed widths. Now every
+# GEMM and sum of a row runs over fixed 128-column segments counted from each list's own
+# column 0 (the last one padded with invalid columns), and 512-column groups with no valid
+# entry are skipped, exactly. Whether BLAS rounds a wider reduction differently depends on
+# the CPU, so on some machines the old code passed this test too.
 def test_sparse_mla_padding_width_invariant():
     """The same rows with their index lists padded by -1 to a wider (batch-wide) width."""
     gen = torch.Generator().manual_seed(14)
@@ -222,6 +221,74 @@ def test_sparse_mla_padding_width_invariant():
             problems.append(f"width {n}->{n + pad}: out {_diff(po, ro)}")
         if not _same(pl, rl):
             problems.append(f"width {n}->{n + pad}: lse {_diff(pl, rl)}")
+    print("\n".join(problems))
+    assert not problems, problems
+
+
+def test_sparse_mla_mixed_widths_padded_batch_invariant() -> None:
+    """Rows of different widths, each alone at its own width, vs all together with both
+    index lists padded by -1 to the batch's widest (crossing segment and 512-column group
+    boundaries, so a row meets groups that hold no valid entry of its own), vs the same
+    padded batch under a tiny scratch budget (1-row chunks): decode out / lse and prefill
+    out / max_logits / lse bitwise."""
+    gen = torch.Generator().manual_seed(15)
+    h, nb, bs = 8, 40, 64
+    swa, comp = _mla_caches(gen, nb, bs)
+    wn = [1, 60, 128, 128, 97, 128, 5, 128, 128]  # window list widths
+    cn = [0, 3, 128, 130, 511, 512, 513, 700, 1100]  # compressed list widths
+    t = len(wn)
+    q = (torch.randn(t, 1, h, 512, generator=gen) * 0.5).to(torch.bfloat16)
+    sink = torch.randn(h, generator=gen)
+    wrows = [torch.randint(0, nb * bs, (n,), generator=gen, dtype=torch.int32) for n in wn]
+    crows = [torch.randint(0, nb * bs, (n,), generator=gen, dtype=torch.int32) for n in cn]
+    crows[4][::7] = -1  # holes inside a row stay holes
+
+    def padded(rows, width):
+        out = torch.full((len(rows), 1, width), -1, dtype=torch.int32)
+        for i, r in enumerate(rows):
+            out[i, 0, : r.numel()] = r
+        return out
+
+    solo = [ops.sparse_mla_decode(q[i : i + 1], swa, wrows[i].view(1, 1, -1), None, sink,
+                                  0.04, comp, crows[i].view(1, 1, -1), None, kernel="torch")
+            for i in range(t)]
+    so = torch.cat([o for o, _ in solo])
+    sl = torch.cat([lse for _, lse in solo])
+    wi, ci = padded(wrows, 300), padded(crows, 1300)
+    problems = []
+    bo, bl = ops.sparse_mla_decode(q, swa, wi, None, sink, 0.04, comp, ci, None, kernel="torch")
+    dims = checks.check_decode_args(q, swa, wi, None, sink, 0.04, comp, ci, None, None, None)
+    to, tl = torch_sparse_mla.sparse_mla_decode_torch(q, swa, wi, None, sink, dims, comp, ci,
+                                                      None, budget_bytes=1)
+    for label, o, lse in (("padded batch", bo, bl), ("padded, tiny budget", to, tl)):
+        if not _same(o, so):
+            problems.append(f"decode {label}: out {_diff(o, so)}")
+        if not _same(lse, sl):
+            problems.append(f"decode {label}: lse {_diff(lse, sl)}")
+
+    # Prefill: the same, with invalid padding written three ways (-1, >= s_kv, past the
+    # row's topk_length).
+    s_kv = 900
+    kv = (torch.randn(s_kv, 1, 512, generator=gen) * 0.6).to(torch.bfloat16)
+    pq = q[:, 0]
+    prow = [torch.randint(0, s_kv, (n,), generator=gen, dtype=torch.int32) for n in cn]
+    ref = [ops.sparse_mla_prefill(pq[i : i + 1], kv, prow[i].view(1, 1, -1), 0.04, sink,
+                                  kernel="torch") for i in range(t)]
+    ref = [torch.cat([r[j] for r in ref]) for j in range(3)]
+    pidx = padded(prow, 1300)
+    pidx[1::3, 0, -50:] = s_kv  # out of range: invalid like -1
+    lens = torch.tensor(cn, dtype=torch.int32)
+    pidx[2::3, 0, 1200:] = 0  # past topk_length: never read
+    for label, got in (
+        ("padded batch", ops.sparse_mla_prefill(pq, kv, pidx, 0.04, sink, lens, kernel="torch")),
+        ("padded, tiny budget", torch_sparse_mla.sparse_mla_prefill_torch(
+            pq, kv, pidx, checks.check_prefill_args(pq, kv, pidx, 0.04, sink, lens, None, None,
+                                                    None),
+            sink, lens, budget_bytes=1)),
+    ):
+        for j, name in enumerate(("out", "max_logits", "lse")):
+            if not _same(got[j], ref[j]):
+                problems.append(f"prefill {label}: {name} {_diff(got[j], ref[j])}")
     print("\n".join(problems))
     assert not problems, problems
 

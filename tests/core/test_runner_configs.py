@@ -432,6 +432,37 @@ def test_cli_help_and_dry_run(capsys) -> None:
     assert len(out) == 1 and "http://gpu:8000/v1/completions" in out[0]
 
 
+def test_run_client_records_and_logs_the_client(tmp_path: Path, capsys) -> None:
+    """The client run serve-eval and serve-bench share: with ``--base-url`` no server starts,
+    the command lands in the summary's ``commands`` and its output in ``<name>.log``."""
+    import argparse
+
+    from vllm_dsv4_backend.run import cli
+
+    cmd = [sys.executable, "-c", "print('client ran')"]
+    urls: list[str] = []
+
+    def client(url: str) -> list[str]:
+        urls.append(url)
+        return cmd
+
+    args = argparse.Namespace(dry_run=False, base_url="http://gpu:8000/")
+    session = cli._Session(R.load_serve_config(TINY), args, tmp_path / "o", dict(os.environ))
+    before = time.monotonic()
+    t0 = cli._run_client(session, client, "bench", "the client")
+    assert t0 is not None and before <= t0 <= time.monotonic()
+    assert urls == ["http://gpu:8000"]
+    assert session.commands == {"bench": shlex.join(cmd)}
+    assert "client ran" in (tmp_path / "o" / "bench.log").read_text()
+    assert f"running the client (log: {tmp_path / 'o' / 'bench.log'})" in capsys.readouterr().err
+
+    dry = cli._Session(session.serve, argparse.Namespace(dry_run=True, base_url="http://h:1"),
+                       tmp_path / "dry", {})
+    assert cli._run_client(dry, client, "bench", "the client") is None
+    assert capsys.readouterr().out.splitlines() == [shlex.join(cmd)]
+    assert urls[-1] == "http://h:1" and not (tmp_path / "dry").exists() and not dry.commands
+
+
 def test_cli_config_errors_exit_2(tmp_path: Path, capsys) -> None:
     # smoke gates have no baseline in the config: --baseline or --no-gate required
     assert R.main(["serve-eval", str(TINY), str(SMOKE), "--dry-run"]) == R.EXIT_CONFIG

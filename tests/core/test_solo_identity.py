@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_dsv4_backend.bench import cli, solo_identity as SI
+from vllm_dsv4_backend.bench import cli
+from vllm_dsv4_backend.bench import solo_identity as SI
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -166,22 +166,24 @@ class CacheLayout:
             self.storage_offset,
         )
 
-    def data_view(self, cache: torch.Tensor) -> torch.Tensor:
-        """uint8 ``[num_blocks, B, 576]`` view: NoPE e4m3 bytes + RoPE bf16 bytes per token."""
+    def _section_view(self, cache: torch.Tensor, nbytes: int, offset: int) -> torch.Tensor:
+        # A block is split into sections of B per-token records; this one holds ``nbytes``
+        # per token and starts ``offset`` bytes into every block.
         return torch.as_strided(
             cache,
-            (self.num_blocks, self.block_size, DATA_BYTES_PER_TOKEN),
-            (self.stride0, DATA_BYTES_PER_TOKEN, 1),
-            self.storage_offset,
+            (self.num_blocks, self.block_size, nbytes),
+            (self.stride0, nbytes, 1),
+            self.storage_offset + offset,
         )
+
+    def data_view(self, cache: torch.Tensor) -> torch.Tensor:
+        """uint8 ``[num_blocks, B, 576]`` view: NoPE e4m3 bytes + RoPE bf16 bytes per token."""
+        return self._section_view(cache, DATA_BYTES_PER_TOKEN, 0)
 
     def scale_view(self, cache: torch.Tensor) -> torch.Tensor:
         """uint8 ``[num_blocks, B, 8]`` view: 7 UE8M0 scale bytes + 1 pad byte per token."""
-        return torch.as_strided(
-            cache,
-            (self.num_blocks, self.block_size, SCALE_BYTES_PER_TOKEN),
-            (self.stride0, SCALE_BYTES_PER_TOKEN, 1),
-            self.storage_offset + DATA_BYTES_PER_TOKEN * self.block_size,
+        return self._section_view(
+            cache, SCALE_BYTES_PER_TOKEN, DATA_BYTES_PER_TOKEN * self.block_size
         )
 
     def gather_row_views(

@@ -194,28 +194,29 @@ def _decode_eager(
     )
     path = kernel_path(q.device, "decode", need_lse=need_lse, kernel=kernel)
     _record("decode", path)
+    if path == "torch":
+        return torch_sparse_mla.sparse_mla_decode_torch(
+            q, k_cache, indices, topk_length, attn_sink, dims, extra_k_cache, extra_indices,
+            extra_topk_length, out=out, lse_out=lse_out, need_lse=need_lse, scratch=scratch,
+        )
+    # Built only here: the torch path (the common CPU one) takes the tensors as they are.
+    call = checks.DecodeInputs(
+        q, k_cache, indices, topk_length, attn_sink, dims, extra_k_cache, extra_indices,
+        extra_topk_length,
+    )
     if path == "flashmla":
         checks.check_flashmla_decode(q, k_cache, dims, extra_k_cache, flashmla.capability(q.device))
         o, lse = flashmla.sparse_mla_decode_flashmla(
-            q, k_cache, indices, topk_length, attn_sink, dims, extra_k_cache, extra_indices,
-            extra_topk_length, out=out, lse_out=lse_out, sched_meta=sched_meta,
+            call, out=out, lse_out=lse_out, sched_meta=sched_meta
         )
         return o, (lse if need_lse else None)
-    if path == "vllm_cpu":
-        checks.check_decode_index_range(indices, topk_length, dims.layout.num_slots, "indices")
-        if dims.extra_layout is not None:
-            checks.check_decode_index_range(
-                extra_indices, extra_topk_length, dims.extra_layout.num_slots, "extra_indices"
-            )
-        o = vllm_cpu.sparse_mla_decode_vllm_cpu(
-            q, k_cache, indices, topk_length, attn_sink, dims, extra_k_cache, extra_indices,
-            extra_topk_length, out=out,
+    # vllm_cpu
+    checks.check_decode_index_range(indices, topk_length, dims.layout.num_slots, "indices")
+    if dims.extra_layout is not None:
+        checks.check_decode_index_range(
+            extra_indices, extra_topk_length, dims.extra_layout.num_slots, "extra_indices"
         )
-        return o, None
-    return torch_sparse_mla.sparse_mla_decode_torch(
-        q, k_cache, indices, topk_length, attn_sink, dims, extra_k_cache, extra_indices,
-        extra_topk_length, out=out, lse_out=lse_out, need_lse=need_lse, scratch=scratch,
-    )
+    return vllm_cpu.sparse_mla_decode_vllm_cpu(call, out=out), None
 
 
 @torch.library.custom_op(
@@ -353,7 +354,7 @@ def _prefill_eager(
     if path == "flashmla":
         checks.check_flashmla_prefill(q, kv, dims, flashmla.capability(q.device))
         return flashmla.sparse_mla_prefill_flashmla(
-            q, kv, indices, dims, attn_sink, topk_length, out=out,
+            checks.PrefillInputs(q, kv, indices, dims, attn_sink, topk_length), out=out,
             max_logits_out=max_logits_out, lse_out=lse_out,
         )
     return torch_sparse_mla.sparse_mla_prefill_torch(

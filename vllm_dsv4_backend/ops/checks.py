@@ -25,7 +25,9 @@ from vllm_dsv4_backend.formats.fp8_ds_mla import CacheLayout
 __all__ = [
     "HEAD_DIM",
     "DecodeDims",
+    "DecodeInputs",
     "PrefillDims",
+    "PrefillInputs",
     "check_decode_args",
     "check_decode_index_range",
     "check_flashmla_decode",
@@ -94,6 +96,25 @@ class DecodeDims:
     layout: CacheLayout
     extra_layout: CacheLayout | None
     softmax_scale: float
+
+
+@dataclass(frozen=True)
+class DecodeInputs:
+    """The inputs of one validated decode call, as the non-torch kernel paths take them.
+
+    One object instead of the same nine parameters re-declared by every path; ``dims`` is
+    :func:`check_decode_args`' result for exactly these tensors.
+    """
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    indices: torch.Tensor
+    topk_length: torch.Tensor | None
+    attn_sink: torch.Tensor | None
+    dims: DecodeDims
+    extra_k_cache: torch.Tensor | None = None
+    extra_indices: torch.Tensor | None = None
+    extra_topk_length: torch.Tensor | None = None
 
 
 def check_decode_args(
@@ -202,6 +223,19 @@ class PrefillDims:
     s_kv: int
     topk: int
     sm_scale: float
+
+
+@dataclass(frozen=True)
+class PrefillInputs:
+    """The inputs of one validated prefill call (``dims`` from :func:`check_prefill_args`),
+    as the FlashMLA path takes them (the same grouping as :class:`DecodeInputs`)."""
+
+    q: torch.Tensor
+    kv: torch.Tensor
+    indices: torch.Tensor
+    dims: PrefillDims
+    attn_sink: torch.Tensor | None = None
+    topk_length: torch.Tensor | None = None
 
 
 def check_prefill_args(

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_dsv4_backend.ops.checks import DecodeDims, PrefillDims
+from vllm_dsv4_backend.ops.checks import DecodeInputs, PrefillInputs
 
 __all__ = ["FlashMLAFns", "available", "load", "sparse_mla_decode_flashmla",
            "sparse_mla_prefill_flashmla"]
@@ -110,22 +110,20 @@ def _sched_meta(fns: FlashMLAFns) -> object:
     return fns.get_metadata()[0]
 
 
+def _cache_4d(cache: torch.Tensor) -> torch.Tensor:
+    # FlashMLA takes an fp8_ds_mla cache as [num_blocks, B, 1, 584]; the 3-D form gets the axis.
+    return cache if cache.dim() == 4 else cache.unsqueeze(-2)
+
+
 def sparse_mla_decode_flashmla(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    indices: torch.Tensor,
-    topk_length: torch.Tensor | None,
-    attn_sink: torch.Tensor | None,
-    dims: DecodeDims,
-    extra_k_cache: torch.Tensor | None = None,
-    extra_indices: torch.Tensor | None = None,
-    extra_topk_length: torch.Tensor | None = None,
+    call: DecodeInputs,
     *,
     out: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
     sched_meta: object | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``flash_mla_with_kvcache`` in sparse fp8 mode (arguments validated for FlashMLA).
+    """``flash_mla_with_kvcache`` in sparse fp8 mode on ``call``'s inputs (validated for
+    FlashMLA).
 
     ``sched_meta``: a ``FlashMLASchedMeta`` to reuse across same-shaped calls in one step
     (FlashMLA plans on first use); a fresh one is made when None.
@@ -134,16 +132,15 @@ def sparse_mla_decode_flashmla(
     fns, reason = load()
     if fns is None:
         raise RuntimeError(f"flashmla kernel path unavailable: {reason}")
-    k4 = k_cache if k_cache.dim() == 4 else k_cache.unsqueeze(-2)
-    e4 = None
-    if extra_k_cache is not None:
-        e4 = extra_k_cache if extra_k_cache.dim() == 4 else extra_k_cache.unsqueeze(-2)
+    k4 = _cache_4d(call.k_cache)
+    e4 = None if call.extra_k_cache is None else _cache_4d(call.extra_k_cache)
     kwargs = dict(
-        q=q, k_cache=k4, block_table=None, cache_seqlens=None, head_dim_v=512,
+        q=call.q, k_cache=k4, block_table=None, cache_seqlens=None, head_dim_v=512,
         tile_scheduler_metadata=sched_meta if sched_meta is not None else _sched_meta(fns),
-        softmax_scale=dims.softmax_scale, causal=False, is_fp8_kvcache=True, indices=indices,
-        attn_sink=attn_sink, extra_k_cache=e4, extra_indices_in_kvcache=extra_indices,
-        topk_length=topk_length, extra_topk_length=extra_topk_length,
+        softmax_scale=call.dims.softmax_scale, causal=False, is_fp8_kvcache=True,
+        indices=call.indices, attn_sink=call.attn_sink, extra_k_cache=e4,
+        extra_indices_in_kvcache=call.extra_indices, topk_length=call.topk_length,
+        extra_topk_length=call.extra_topk_length,
     )
     if "use_legacy" in fns.decode_params:
         kwargs["use_legacy"] = True
@@ -164,18 +161,13 @@ def sparse_mla_decode_flashmla(
 
 
 def sparse_mla_prefill_flashmla(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
-    dims: PrefillDims,
-    attn_sink: torch.Tensor | None = None,
-    topk_length: torch.Tensor | None = None,
+    call: PrefillInputs,
     *,
     out: torch.Tensor | None = None,
     max_logits_out: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``flash_mla_sparse_fwd`` (arguments validated for FlashMLA).
+    """``flash_mla_sparse_fwd`` on ``call``'s inputs (validated for FlashMLA).
 
     Returns ``(out [s_q, h_q, 512] bf16, max_logits [s_q, h_q], lse [s_q, h_q])`` fp32,
     natural units.
@@ -184,8 +176,8 @@ def sparse_mla_prefill_flashmla(
     if fns is None:
         raise RuntimeError(f"flashmla kernel path unavailable: {reason}")
     p = fns.prefill_params
-    kwargs = dict(q=q, kv=kv, indices=indices, sm_scale=dims.sm_scale, d_v=512,
-                  attn_sink=attn_sink, topk_length=topk_length)
+    kwargs = dict(q=call.q, kv=call.kv, indices=call.indices, sm_scale=call.dims.sm_scale,
+                  d_v=512, attn_sink=call.attn_sink, topk_length=call.topk_length)
     if "use_legacy" in p:
         kwargs["use_legacy"] = True
     if "return_log2_lse" in p:

@@ -14,11 +14,31 @@ cache, ``flash_mla_sparse_fwd`` prefill over a bf16 KV buffer), computed in fp32
 - ``lse = log sum_j e^{s_j}`` (natural log, the sink excluded); a row without a valid index
   gives ``out = 0`` and ``lse = +inf`` (prefill also ``max_logits = -inf``).
 
-Implementation: query rows are processed in chunks and the index axis in segments with an
-online (running max) softmax, so the fp32 working set stays under ``budget_bytes``
-(32 MiB by default) for any top-k. Only the named slots are gathered and dequantized (a
-fused gather + bit-level e4m3 decode, ``fp8_ds_mla.gather_dequant_into``); an invalid
-entry reads a slot that the same call names validly (its score is then set to -inf, so its
+Implementation: query rows are processed in chunks and the index axis in fixed-width,
+fixed-origin pieces, so that a row's result is bitwise independent of the rest of the call:
+
+- each index list (``indices``, ``extra_indices``) is cut from its own column 0 into
+  *segments* of :data:`SEGMENT` (128) columns, the last one padded with invalid columns;
+  every GEMM and every sum of a row runs over exactly one segment (``S^T = K Q^T`` with
+  M = 128 entries, ``sum(P)`` over 128, ``P K`` with K = 128), folded in column order;
+- up to :data:`GROUP_SEGMENTS` (4) consecutive segments of one list form a *group*, the
+  block of the online (running max) softmax: the first group of a row is stored as is,
+  each later one rescales the running state by ``exp(m_old - m_new)`` and adds;
+- a later group with no valid entry in any row of the chunk is skipped, which is exact:
+  its scores are all -inf, so the max does not move (rescale by exactly 1), it adds zeros,
+  and a row of the chunk that has no valid entry in a group the chunk runs folds it as
+  the same no-op.
+
+The structure of a row's reduction thus depends only on its own index lists: padding a
+list with -1 to a wider width, the other rows of the batch, the chunking of rows, the
+memory budget and the deduplicated path all give the same bits (BLAS and reduction kernels
+are deterministic for a fixed shape; a wider reduction, as the old full-width segment
+had, rounds differently: MKL's ``P K`` with K = 256 vs 512 zero-padded differs). The
+fp32 working set stays under ``budget_bytes`` (32 MiB by default) for any top-k: the
+budget only sets the rows per chunk. Only the named slots are
+gathered and dequantized (a fused gather + bit-level e4m3 decode,
+``fp8_ds_mla.gather_dequant_into``); an invalid entry reads a slot that the same call
+names validly and a padding column a zero row (their score is then set to -inf, so their
 weight is exactly 0), so unnamed cache slots, which may hold NaN, are never touched.
 Matmuls are fp32 ``bmm`` (bf16 ``bmm`` is ~20x slower on CPUs without AVX512-BF16), which
 also keeps the result within FlashMLA's test tolerances of a float64 oracle. Every
@@ -29,7 +49,10 @@ supplied a call allocates nothing (see :func:`decode_scratch_nbytes`).
 from __future__ import annotations
 
 import math
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,6 +61,8 @@ from vllm_dsv4_backend.ops.checks import DecodeDims, PrefillDims
 
 __all__ = [
     "DEFAULT_BUDGET_BYTES",
+    "GROUP_SEGMENTS",
+    "SEGMENT",
     "decode_scratch_nbytes",
     "prefill_scratch_nbytes",
     "sparse_mla_decode_torch",
@@ -46,9 +71,34 @@ __all__ = [
 
 D = fp8_ds_mla.HEAD_DIM
 DEFAULT_BUDGET_BYTES = 32 << 20
+SEGMENT = 128
+"""Index columns per segment: the M of ``S^T = K Q^T`` and the K of ``P V`` of every GEMM.
+Fixed (never derived from the call's width or budget) so that a row's rounding is fixed."""
+GROUP_SEGMENTS = 4
+"""Segments per online-softmax block (512 columns: one C4 top-k list is a single block)."""
+GROUP = SEGMENT * GROUP_SEGMENTS
 _ALIGN = 64
-_SEG_QUANTUM = 64
 _TINY = 1e-30
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _groups(parts: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``(part, first column, width)`` of every group, in order; ``parts`` gives each index
+    list's ``(first combined column, width)``. Each list's groups start at its own column 0,
+    so the padding of one list never moves the groups of another."""
+    out = []
+    for p, (base, n) in enumerate(parts):
+        for c0 in range(0, n, GROUP):
+            out.append((p, base + c0, min(GROUP, n - c0)))
+    return out
+
+
+def _group_cols(widths: tuple[int, ...]) -> int:
+    """Columns of the per-row K buffer: the widest group, padded to whole segments."""
+    return max([SEGMENT] + [min(GROUP, _round_up(n, SEGMENT)) for n in widths])
 
 
 # --------------------------------------------------------------------------------------------
@@ -66,39 +116,31 @@ def _prefill_entry_bytes(h: int) -> int:
 
 
 def _row_bytes(h: int) -> int:
-    # qf + acc (fp32 [h, 512]) and seven fp32 [h] vectors.
-    return 8 * D * h + 28 * h
+    # q^T + acc (fp32 [h, 512]), seven fp32 [h] vectors and the per-segment sums.
+    return 8 * D * h + 28 * h + 4 * GROUP_SEGMENTS * h
 
 
 @dataclass(frozen=True)
 class _Plan:
     rows: int  # query rows per chunk (decode: a multiple of s_q)
-    seg: int  # index columns per segment
+    cols: int  # index columns of the per-row K buffer (a multiple of SEGMENT, <= GROUP)
     nbytes: int
 
 
-def _plan(num_rows: int, row_quantum: int, h: int, width: int, entry_bytes: int,
+def _plan(num_rows: int, row_quantum: int, h: int, cols: int, entry_bytes: int,
           budget: int) -> _Plan:
-    """Pick (rows per chunk, segment width) so the arena stays within ``budget`` bytes."""
-    row_fixed = _row_bytes(h)
-    width = max(width, 1)
-    seg = width
-
-    def avail(seg: int) -> int:  # budget left for the per-row buffers
-        return budget - _arena_bytes(0, h, seg, entry_bytes)
-
-    # Shrink the segment until one row quantum fits the budget (never below 64 columns).
-    while seg > _SEG_QUANTUM and row_quantum * (row_fixed + seg * entry_bytes) > avail(seg):
-        seg = max(_SEG_QUANTUM, (seg // 2 + _SEG_QUANTUM - 1) // _SEG_QUANTUM * _SEG_QUANTUM)
-    per_row = row_fixed + seg * entry_bytes
-    rows = max(row_quantum, (max(avail(seg), 0) // per_row) // row_quantum * row_quantum)
-    rows = min(rows, max(row_quantum, -(-num_rows // row_quantum) * row_quantum))
-    return _Plan(rows, seg, _arena_bytes(rows, h, seg, entry_bytes))
+    """Pick the rows per chunk so the arena stays within ``budget`` bytes (at least one row
+    quantum). Only the chunking depends on the budget; the index pieces never do."""
+    per_row = _row_bytes(h) + cols * entry_bytes
+    avail = max(budget - _arena_bytes(0, h, cols, entry_bytes), 0)
+    rows = max(row_quantum, (avail // per_row) // row_quantum * row_quantum)
+    rows = min(rows, max(row_quantum, _round_up(num_rows, row_quantum)))
+    return _Plan(rows, cols, _arena_bytes(rows, h, cols, entry_bytes))
 
 
-def _arena_bytes(rows: int, h: int, seg: int, entry_bytes: int) -> int:
+def _arena_bytes(rows: int, h: int, cols: int, entry_bytes: int) -> int:
     # Each carved buffer (fewer than 32) is rounded up to the alignment.
-    return rows * (_row_bytes(h) + seg * entry_bytes) + seg * 8 + 32 * _ALIGN
+    return rows * (_row_bytes(h) + cols * entry_bytes) + cols * 8 + 32 * _ALIGN
 
 
 def decode_scratch_nbytes(
@@ -108,18 +150,19 @@ def decode_scratch_nbytes(
     """Bytes of the uint8 ``scratch`` buffer that makes a decode call allocation-free.
 
     The plan depends only on the shapes, so a buffer sized for the largest batch serves every
-    smaller one. A smaller buffer also works (smaller chunks) down to one batch entry and a
-    64-wide segment; below that the call raises ``ValueError``.
+    smaller one. A smaller buffer also works (smaller chunks, same bits) down to one batch
+    entry; below that the call raises ``ValueError``.
     """
-    return _plan(batch * s_q, s_q, h_q, topk + extra_topk, _decode_entry_bytes(h_q),
-                 budget_bytes).nbytes
+    return _plan(batch * s_q, s_q, h_q, _group_cols((topk, extra_topk)),
+                 _decode_entry_bytes(h_q), budget_bytes).nbytes
 
 
 def prefill_scratch_nbytes(
     s_q: int, h_q: int, topk: int, budget_bytes: int = DEFAULT_BUDGET_BYTES
 ) -> int:
     """Bytes of the uint8 ``scratch`` buffer that makes a prefill call allocation-free."""
-    return _plan(s_q, 1, h_q, topk, _prefill_entry_bytes(h_q), budget_bytes).nbytes
+    return _plan(s_q, 1, h_q, _group_cols((topk,)), _prefill_entry_bytes(h_q),
+                 budget_bytes).nbytes
 
 
 class _Arena:
@@ -158,20 +201,55 @@ def _resolve_scratch(scratch: torch.Tensor | None, need: _Plan, device: torch.de
     plan = replan(scratch.numel())
     if plan.nbytes > scratch.numel():
         raise ValueError(
-            f"scratch: expected at least {plan.nbytes} bytes (one row quantum, 64-wide "
-            f"segments), got {scratch.numel()}; size it with *_scratch_nbytes()"
+            f"scratch: expected at least {plan.nbytes} bytes (one row quantum), got "
+            f"{scratch.numel()}; size it with *_scratch_nbytes()"
         )
     return plan, scratch
+
+
+# The views carved out of a caller's scratch buffer, per buffer and plan: carving ~25 views
+# costs ~0.1 ms, 5% of a batch-1 decode call, and the layer passes the same buffer every
+# step. Keyed by id() with a weak reference (a tensor cannot be a dict key); dropped with
+# the buffer, so the cache never keeps a buffer's memory alive.
+_CARVED: dict[int, tuple[weakref.ref, dict[tuple, Any]]] = {}
+_CARVED_PER_BUFFER = 8
+_VIEW_SETS = 64  # chunk sizes whose views a _Softmax keeps
+
+
+def _carved(scratch: torch.Tensor | None, buf: torch.Tensor, key: tuple,
+            carve: Callable[[], tuple]) -> tuple:
+    if scratch is None or type(scratch) is not torch.Tensor:
+        return carve()  # a fresh buffer for this call, or a tracing / fake tensor
+    entry = _CARVED.get(id(scratch))
+    if entry is None or entry[0]() is not scratch:
+        entry = (weakref.ref(scratch), {})
+        _CARVED[id(scratch)] = entry
+        weakref.finalize(scratch, _CARVED.pop, id(scratch), None)
+    # The same storage and offset (resize_ / set_ may have moved the buffer).
+    key = (*key, buf.data_ptr(), buf.numel())
+    views = entry[1].get(key)
+    if views is None:
+        if len(entry[1]) >= _CARVED_PER_BUFFER:
+            entry[1].clear()
+        views = entry[1][key] = carve()
+    return views
 
 
 # --------------------------------------------------------------------------------------------
 # shared online-softmax core
 # --------------------------------------------------------------------------------------------
 class _Softmax:
-    """Running-max softmax accumulator for ``R`` rows x ``h`` heads (all views of the arena)."""
+    """Running-max softmax accumulator for ``R`` rows x ``h`` heads (all views of the arena).
 
-    def __init__(self, arena: _Arena, rows: int, h: int, seg: int) -> None:
-        self.qf = arena.take(rows * h * D, torch.float32)
+    Per group: the caller fills K ``[r, cols, 512]`` (segment ``j`` = columns
+    ``[128 j, 128 j + 128)``, finite everywhere, zero rows past the group's width) and the
+    invalid mask ``[r, cols]``, then calls :meth:`update`. The views of a chunk size ``r``
+    (and group size) are built once and kept: the object lives as long as the caller's
+    scratch buffer (:func:`_carved`), and a decode step repeats the same sizes.
+    """
+
+    def __init__(self, arena: _Arena, rows: int, h: int, cols: int) -> None:
+        self.qt = arena.take(rows * D * h, torch.float32)
         self.acc = arena.take(rows * h * D, torch.float32)
         self.m = arena.take(rows * h, torch.float32)
         self.mn = arena.take(rows * h, torch.float32)
@@ -179,67 +257,118 @@ class _Softmax:
         self.alpha = arena.take(rows * h, torch.float32)
         self.l = arena.take(rows * h, torch.float32)
         self.tmp = arena.take(rows * h, torch.float32)
-        self.s = arena.take(rows * h * seg, torch.float32)
-        self.k = arena.take(rows * seg * D, torch.float32)
-        self.inv = arena.take(rows * seg, torch.bool)
+        self.sums = arena.take(GROUP_SEGMENTS * rows * h, torch.float32)
+        self.s = arena.take(rows * h * cols, torch.float32)
+        self.k = arena.take(rows * cols * D, torch.float32)
+        self.inv = arena.take(rows * cols, torch.bool)
         self.h = h
+        self.cols = cols
+        self._rows: dict[int, tuple] = {}
+        self._groups: dict[tuple[int, int], tuple] = {}
 
     def begin(self, r: int) -> None:
         self.r = r
-        h = self.h
         self.first = True
-        self.m_v = self.m[: r * h].view(r, h)
-        self.l_v = self.l[: r * h].view(r, h)
-        self.acc_v = self.acc[: r * h * D].view(r, h, D)
-        self.q_v = self.qf[: r * h * D].view(r, h, D)
+        views = self._rows.get(r)
+        if views is None:
+            if len(self._rows) >= _VIEW_SETS:  # bounded: prefill chunk sizes vary
+                self._rows.clear()
+                self._groups.clear()
+            h, cols = self.h, self.cols
+            views = self._rows[r] = (
+                self.m[: r * h].view(r, h), self.mn[: r * h].view(r, h),
+                self.l[: r * h].view(r, h), self.acc[: r * h * D].view(r, h, D),
+                # Scaled q, transposed ([r, 512, h] contiguous): S^T = K Q^T then multiplies
+                # two non-transposed operands, which MKL runs ~1.4x faster than Q K^T at
+                # N = 128.
+                self.qt[: r * D * h].view(r, D, h),
+                # A fixed row stride (cols) for K and the mask, whatever the group's width.
+                self.k[: r * cols * D].view(r, cols, D), self.inv[: r * cols].view(r, cols),
+                self.msafe[: r * h].view(r, h), self.alpha[: r * h].view(r, h),
+                self.tmp[: r * h].view(r, h),
+            )
+        # The running max and the next one alternate between two buffers (no copy).
+        (self.m_v, self.mn_v, self.l_v, self.acc_v, self.qt_v, self.k_v, self.inv_v,
+         self.msafe_v, self.alpha_v, self.tmp_v) = views
 
-    def segment_views(self, w: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 K ``[r, w, 512]`` and bool invalid ``[r, w]`` to fill for one segment."""
-        r = self.r
-        return self.k[: r * w * D].view(r, w, D), self.inv[: r * w].view(r, w)
+    def pad_tail(self, w: int) -> tuple[int, bool]:
+        """Columns ``[w, round_up(w, 128))``: invalid, with zero (finite) K rows. Returns
+        the group's segment count and whether it has padding columns."""
+        wp = _round_up(w, SEGMENT)
+        if wp > w:
+            self.inv_v[:, w:wp].fill_(True)
+            self.k_v[:, w:wp].zero_()
+        return wp // SEGMENT, wp > w
 
-    def update(self, w: int, any_invalid: bool) -> None:
-        """Fold one filled segment into the running state.
+    def _group_views(self, nseg: int) -> tuple:
+        r, h = self.r, self.h
+        views = self._groups.get((r, nseg))
+        if views is None:
+            # Transposed scores S^T, segment-major: each segment's [r, 128, h] block is
+            # contiguous, as a one-segment group's is, so every bmm / sum of update() has
+            # one shape and layout (M = 128 entries, N = h, K = 512; then M = h, N = 512,
+            # K = 128).
+            s = self.s[: nseg * r * SEGMENT * h].view(nseg, r, SEGMENT, h)
+            sums = self.sums[: nseg * r * h].view(nseg, r, h)
+            views = self._groups[(r, nseg)] = (
+                s, s.unbind(0), s.transpose(2, 3).unbind(0),  # S^T, and P [r, h, 128]
+                tuple(self.k_v[:, j * SEGMENT : (j + 1) * SEGMENT] for j in range(nseg)),
+                self.inv_v[:, : nseg * SEGMENT].view(r, nseg, SEGMENT, 1).transpose(0, 1),
+                sums, sums.unbind(0), self.msafe_v.view(1, r, 1, h), self.alpha_v.unsqueeze(-1),
+            )
+        return views
+
+    def update(self, nseg: int, any_invalid: bool) -> None:
+        """Fold one filled group of ``nseg`` segments into the running state.
 
         K rows of invalid entries must be finite (any named slot's values, or zeros): their
         scores are set to -inf, so they get weight exactly 0.
         """
-        r, h = self.r, self.h
-        k, inv = self.segment_views(w)
-        s = self.s[: r * h * w].view(r, h, w)
-        torch.bmm(self.q_v, k.transpose(1, 2), out=s)
+        s, s_list, p_list, ks, mask, sums, sum_list, msafe4, alpha3 = self._group_views(nseg)
+        for k_j, s_j in zip(ks, s_list):
+            torch.bmm(k_j, self.qt_v, out=s_j)
         if any_invalid:
-            s.masked_fill_(inv.unsqueeze(1), -math.inf)
-        mn = self.mn[: r * h].view(r, h)
-        msafe = self.msafe[: r * h].view(r, h)
-        tmp = self.tmp[: r * h].view(r, h)
-        torch.amax(s, -1, out=mn)
+            s.masked_fill_(mask, -math.inf)
+        mn, msafe, l_v, acc_v = self.mn_v, self.msafe_v, self.l_v, self.acc_v
+        # A max is exact in any order. Per segment first: amax over dims (0, 2) at once
+        # takes a slow generic reduction.
+        if nseg == 1:
+            torch.amax(s_list[0], 1, out=mn)
+        else:
+            torch.amax(s, 2, out=sums)
+            torch.amax(sums, 0, out=mn)
         if not self.first:
             torch.maximum(mn, self.m_v, out=mn)
         # A row with no valid index so far keeps max -inf; exponentiate against 0 instead.
         torch.nan_to_num(mn, nan=0.0, neginf=0.0, out=msafe)
-        s.sub_(msafe.unsqueeze(-1)).exp_()
-        if self.first:
-            torch.sum(s, -1, out=self.l_v)
-            torch.bmm(s, k, out=self.acc_v)
+        s.sub_(msafe4).exp_()
+        if self.first and nseg == 1:
+            torch.sum(s_list[0], 1, out=l_v)
         else:
-            alpha = self.alpha[: r * h].view(r, h)
+            torch.sum(s, 2, out=sums)
+        if self.first:
+            if nseg > 1:
+                l_v.copy_(sum_list[0])
+            torch.bmm(p_list[0], ks[0], out=acc_v)
+        else:
+            alpha = self.alpha_v
             torch.sub(self.m_v, msafe, out=alpha).exp_()
-            torch.sum(s, -1, out=tmp)
-            self.l_v.mul_(alpha).add_(tmp)
-            self.acc_v.mul_(alpha.unsqueeze(-1)).baddbmm_(s, k)
-        self.m_v.copy_(mn)
+            torch.addcmul(sum_list[0], l_v, alpha, out=l_v)  # l * alpha + sum_0
+            acc_v.mul_(alpha3).baddbmm_(p_list[0], ks[0])
+        # The other segments fold in column order (one K = 128 GEMM each).
+        for j in range(1, nseg):
+            l_v.add_(sum_list[j])
+            acc_v.baddbmm_(p_list[j], ks[j])
+        self.m_v, self.mn_v = mn, self.m_v
         self.first = False
 
     def finish(self, attn_sink: torch.Tensor | None, lse: torch.Tensor | None) -> torch.Tensor:
         """Normalise ``acc`` in place (sink included); write lse (``+inf`` when empty)."""
-        r, h = self.r, self.h
         if self.first:  # no index column at all
             self.m_v.fill_(-math.inf)
             self.l_v.zero_()
             self.acc_v.zero_()
-        msafe = self.msafe[: r * h].view(r, h)
-        denom = self.tmp[: r * h].view(r, h)
+        msafe, denom = self.msafe_v, self.tmp_v
         torch.nan_to_num(self.m_v, nan=0.0, neginf=0.0, out=msafe)
         if attn_sink is not None:
             torch.sub(attn_sink.unsqueeze(0), msafe, out=denom).exp_()
@@ -291,7 +420,8 @@ def sparse_mla_decode_torch(
         scratch: uint8 1-D arena (see :func:`decode_scratch_nbytes`); allocated when None.
 
     Returns:
-        ``(out, lse)``; ``lse`` is None when ``need_lse`` is False.
+        ``(out, lse)``; ``lse`` is None when ``need_lse`` is False. A row's bits do not
+        depend on the other rows, on -1 padding past its entries, nor on the scratch size.
     """
     b, s_q, h = dims.batch, dims.s_q, dims.h_q
     n1, n2 = dims.topk, dims.extra_topk
@@ -302,6 +432,8 @@ def sparse_mla_decode_torch(
         lse_out = torch.empty(b, h, s_q, dtype=torch.float32, device=dev)
     if b * s_q == 0:
         return out, lse_out if need_lse else None
+    if extra_k_cache is None:
+        n2 = 0
     if b * s_q * (n1 + n2) >= DEDUP_MIN_ENTRIES:
         deduped = _decode_deduplicated(
             q, k_cache, indices, topk_length, attn_sink, dims, extra_k_cache, extra_indices,
@@ -310,95 +442,91 @@ def sparse_mla_decode_torch(
         if deduped:
             return out, lse_out if need_lse else None
     eb = _decode_entry_bytes(h)
-    plan = _plan(b * s_q, s_q, h, n1 + n2, eb, budget_bytes)
+    cols = _group_cols((n1, n2))
+    plan = _plan(b * s_q, s_q, h, cols, eb, budget_bytes)
     plan, buf = _resolve_scratch(
-        scratch, plan, dev, lambda nbytes: _plan(b * s_q, s_q, h, n1 + n2, eb, nbytes)
+        scratch, plan, dev, lambda nbytes: _plan(b * s_q, s_q, h, cols, eb, nbytes)
     )
-    arena = _Arena(buf)
-    rows_max, seg = plan.rows, plan.seg
-    sm = _Softmax(arena, rows_max, h, seg)
-    n_ent = rows_max * seg
-    g = {
-        "rows_i64": arena.take(n_ent, torch.int64),
-        "tmp_i64": arena.take(n_ent, torch.int64),
-        "data_u8": arena.take(n_ent * fp8_ds_mla.DATA_BYTES_PER_TOKEN, torch.uint8).view(
-            n_ent, fp8_ds_mla.DATA_BYTES_PER_TOKEN
-        ),
-        "scale_u8": arena.take(n_ent * 8, torch.uint8).view(n_ent, 8),
-        "scale_i32": arena.take(n_ent * fp8_ds_mla.NUM_TILES, torch.int32),
-        "flag_i32": arena.take(1, torch.int32).view(()),
-    }
-    ids_buf = arena.take(n_ent, torch.int64)
-    tmpb_buf = arena.take(n_ent, torch.bool)
-    minmax = arena.take(2, torch.int64)
-    pos = arena.take(seg, torch.int32)
-    lse_chunk = arena.take(rows_max * h, torch.float32) if need_lse else None
+    rows_max = plan.rows
 
-    # (cache, layout, indices, lengths, first combined column, width, name)
-    parts = [(k_cache, dims.layout, indices, topk_length, 0, n1, "indices")]
-    if extra_k_cache is not None and n2 > 0:
-        parts.append((extra_k_cache, dims.extra_layout, extra_indices, extra_topk_length, n1, n2,
+    def carve() -> tuple:
+        arena = _Arena(buf)
+        sm = _Softmax(arena, rows_max, h, cols)
+        n_ent = rows_max * cols
+        g = {
+            "rows_i64": arena.take(n_ent, torch.int64),
+            "tmp_i64": arena.take(n_ent, torch.int64),
+            "data_u8": arena.take(n_ent * fp8_ds_mla.DATA_BYTES_PER_TOKEN, torch.uint8).view(
+                n_ent, fp8_ds_mla.DATA_BYTES_PER_TOKEN
+            ),
+            "scale_u8": arena.take(n_ent * 8, torch.uint8).view(n_ent, 8),
+            "scale_i32": arena.take(n_ent * fp8_ds_mla.NUM_TILES, torch.int32),
+            "flag_i32": arena.take(1, torch.int32).view(()),
+        }
+        return (sm, g, arena.take(n_ent, torch.int64), arena.take(n_ent, torch.bool),
+                arena.take(2, torch.int64), arena.take(cols, torch.int32),
+                arena.take(rows_max * h, torch.float32) if need_lse else None)
+
+    sm, g, ids_buf, tmpb_buf, minmax, pos, lse_chunk = _carved(
+        scratch, buf, ("decode", plan, h, need_lse), carve)
+
+    # (cache, layout, indices, lengths, name) per index list; groups per list.
+    parts = [(k_cache, dims.layout, indices, topk_length, "indices")]
+    if n2 > 0:
+        parts.append((extra_k_cache, dims.extra_layout, extra_indices, extra_topk_length,
                       "extra_indices"))
+    groups = _groups([(0, n1), (n1, n2)][: len(parts)])
     views = [p[1].gather_row_views(p[0]) for p in parts]
     bpc = rows_max // s_q  # batch entries per chunk
-    total = n1 + n2
     for b0 in range(0, b, bpc):
         b1 = min(b, b0 + bpc)
         nb = b1 - b0
         r = nb * s_q
         sm.begin(r)
-        sm.q_v.view(nb, s_q, h, D).copy_(q[b0:b1])
-        sm.q_v.mul_(dims.softmax_scale)
-        for c0 in range(0, total, seg):
-            c1 = min(total, c0 + seg)
-            w = c1 - c0
-            k_seg, inv_seg = sm.segment_views(w)
-            col = 0
-            any_invalid = False
-            for (cache, layout, idx, lens, base, n, name), vw in zip(parts, views):
-                p0, p1 = max(c0, base) - base, min(c1, base + n) - base
-                if p1 <= p0:
-                    continue
-                pw = p1 - p0
-                idx_v = idx[b0:b1, :, p0:p1]
-                inv_v = inv_seg.view(nb, s_q, w)[:, :, col : col + pw]
-                k_part = k_seg.view(nb, s_q, w, D)[:, :, col : col + pw]
-                ne = r * pw
-                ids = ids_buf[:ne].view(nb, s_q, pw)
-                torch.eq(idx_v, -1, out=inv_v)
-                if lens is not None:
-                    tmpb = tmpb_buf[:ne].view(nb, s_q, pw)
-                    torch.arange(p0, p1, dtype=torch.int32, device=dev, out=pos[:pw])
-                    torch.ge(pos[:pw].expand(nb, s_q, pw), lens[b0:b1].view(nb, 1, 1), out=tmpb)
-                    inv_v.logical_or_(tmpb)
-                # ids = used slot ids, -1 where invalid; its min/max give the range check (only
-                # -1 is invalid: any other id outside the cache is an error) and, when a valid
-                # id exists, a named slot to read in place of the invalid entries, so unnamed
-                # (possibly NaN) slots are never touched and no K row needs zeroing.
-                ids.copy_(idx_v)
-                ids.masked_fill_(inv_v, -1)
-                torch.amin(ids.view(-1), 0, out=minmax[0])
-                torch.amax(ids.view(-1), 0, out=minmax[1])
-                lo, hi = minmax.tolist()
-                if lo < -1 or hi >= layout.num_slots:
-                    vals = ids[(ids < -1) | (ids >= layout.num_slots)]
-                    raise ValueError(
-                        f"{name}: expected slot ids in [-1, {layout.num_slots}) (num_blocks * "
-                        f"block_size; only -1 is invalid), got out-of-range value(s) "
-                        f"{vals[:4].tolist()}"
-                    )
+        sm.qt_v.view(nb, s_q, D, h).copy_(q[b0:b1].transpose(-1, -2))
+        sm.qt_v.mul_(dims.softmax_scale)
+        for gi, (p, c0, w) in enumerate(groups):
+            cache, layout, idx, lens, name = parts[p]
+            p0 = c0 - (0 if p == 0 else n1)  # the group's first column within its list
+            p1 = p0 + w
+            idx_v = idx[b0:b1, :, p0:p1]
+            inv_v = sm.inv_v.view(nb, s_q, cols)[:, :, :w]
+            k_part = sm.k_v.view(nb, s_q, cols, D)[:, :, :w]
+            ne = r * w
+            ids = ids_buf[:ne].view(nb, s_q, w)
+            torch.eq(idx_v, -1, out=inv_v)
+            if lens is not None:
+                tmpb = tmpb_buf[:ne].view(nb, s_q, w)
+                torch.arange(p0, p1, dtype=torch.int32, device=dev, out=pos[:w])
+                torch.ge(pos[:w].expand(nb, s_q, w), lens[b0:b1].view(nb, 1, 1), out=tmpb)
+                inv_v.logical_or_(tmpb)
+            # ids = used slot ids, -1 where invalid; its min/max give the range check (only
+            # -1 is invalid: any other id outside the cache is an error) and, when a valid
+            # id exists, a named slot to read in place of the invalid entries, so unnamed
+            # (possibly NaN) slots are never touched and no K row needs zeroing.
+            ids.copy_(idx_v)
+            ids.masked_fill_(inv_v, -1)
+            torch.amin(ids.view(-1), 0, out=minmax[0])
+            torch.amax(ids.view(-1), 0, out=minmax[1])
+            lo, hi = minmax.tolist()
+            if lo < -1 or hi >= layout.num_slots:
+                vals = ids[(ids < -1) | (ids >= layout.num_slots)]
+                raise ValueError(
+                    f"{name}: expected slot ids in [-1, {layout.num_slots}) (num_blocks * "
+                    f"block_size; only -1 is invalid), got out-of-range value(s) "
+                    f"{vals[:4].tolist()}"
+                )
+            if hi < 0:
+                if gi > 0:
+                    continue  # no valid entry in the chunk: folding it is an exact no-op
+                k_part.zero_()  # the first group always runs (it starts the state)
+            else:
                 if lo == -1:
-                    any_invalid = True
-                if hi < 0:
-                    k_part.zero_()
-                else:
-                    if lo == -1:
-                        ids.masked_fill_(inv_v, hi)
-                    fp8_ds_mla.gather_dequant_into(
-                        k_part, cache, layout, ids, None, views=vw, **g
-                    )
-                col += pw
-            sm.update(w, any_invalid)
+                    ids.masked_fill_(inv_v, hi)
+                fp8_ds_mla.gather_dequant_into(k_part, cache, layout, ids, None, views=views[p],
+                                               **g)
+            nseg, padded = sm.pad_tail(w)
+            sm.update(nseg, lo == -1 or padded)
         acc = sm.finish(attn_sink, lse_chunk[: r * h].view(r, h) if need_lse else None)
         out[b0:b1].copy_(acc.view(nb, s_q, h, D))
         if need_lse:
@@ -432,9 +560,10 @@ def _decode_deduplicated(
 
     A prompt's rows share their window and compressed entries, so ``T x topk`` entries
     name only about ``T + T/ratio`` slots; the fp8 decode then runs once per slot instead of
-    once per entry. Dequantized values are exact in bf16 (e4m3 times a power of two), so the
-    result equals the entry-wise path up to summation order. Returns False (nothing written)
-    when the call does not repeat slots enough to pay for the table.
+    once per entry. Dequantized values are exact in bf16 (e4m3 times a power of two), and the
+    prefill core runs the same groups (one per list, from each list's column 0), so the
+    result equals the entry-wise path bit for bit. Returns False (nothing written) when the
+    call does not repeat slots enough to pay for the table.
     """
     b, s_q, h = dims.batch, dims.s_q, dims.h_q
     rows = b * s_q
@@ -467,9 +596,11 @@ def _decode_deduplicated(
     pdims = PrefillDims(s_q=rows, h_q=h, s_kv=kv.shape[0], topk=idx_all.shape[-1],
                         sm_scale=dims.softmax_scale)
     flat_out = out.view(rows, h, D) if out.is_contiguous() else None
-    res, _, lse = sparse_mla_prefill_torch(
-        q.reshape(rows, h, D), kv, idx_all, pdims, attn_sink,
-        out=flat_out, budget_bytes=budget_bytes,
+    res, _, lse = _prefill(
+        q.reshape(rows, h, D), kv, idx_all, pdims, attn_sink, None,
+        [(0, dims.topk), (dims.topk, idx_all.shape[-1] - dims.topk)][: len(parts)],
+        out=flat_out, max_logits_out=None, lse_out=None, scratch=None,
+        budget_bytes=budget_bytes,
     )
     if flat_out is None:
         out.copy_(res.view(b, s_q, h, D))
@@ -508,9 +639,33 @@ def sparse_mla_prefill_torch(
 
     Returns:
         ``(out, max_logits, lse)``: natural units; an empty row has ``max_logits = -inf``,
-        ``lse = +inf`` and ``out = 0``.
+        ``lse = +inf`` and ``out = 0``. A row's bits do not depend on the other rows, on
+        invalid padding past its entries, nor on the scratch size.
     """
-    s_q, h, s_kv, topk = dims.s_q, dims.h_q, dims.s_kv, dims.topk
+    return _prefill(q, kv, indices, dims, attn_sink, topk_length, [(0, dims.topk)], out=out,
+                    max_logits_out=max_logits_out, lse_out=lse_out, scratch=scratch,
+                    budget_bytes=budget_bytes)
+
+
+def _prefill(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    dims: PrefillDims,
+    attn_sink: torch.Tensor | None,
+    topk_length: torch.Tensor | None,
+    parts: list[tuple[int, int]],
+    *,
+    out: torch.Tensor | None,
+    max_logits_out: torch.Tensor | None,
+    lse_out: torch.Tensor | None,
+    scratch: torch.Tensor | None,
+    budget_bytes: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`sparse_mla_prefill_torch` with the index columns split into ``parts`` (each
+    ``(first column, width)``, its own group origin; the deduplicated decode passes its two
+    lists). ``topk_length`` counts combined columns."""
+    s_q, h, s_kv = dims.s_q, dims.h_q, dims.s_kv
     dev = q.device
     if out is None:
         out = torch.empty(s_q, h, D, dtype=torch.bfloat16, device=dev)
@@ -521,28 +676,34 @@ def sparse_mla_prefill_torch(
     if s_q == 0:
         return out, max_logits_out, lse_out
     eb = _prefill_entry_bytes(h)
-    plan = _plan(s_q, 1, h, topk, eb, budget_bytes)
-    plan, buf = _resolve_scratch(scratch, plan, dev, lambda nb: _plan(s_q, 1, h, topk, eb, nb))
-    arena = _Arena(buf)
-    rows_max, seg = plan.rows, plan.seg
-    sm = _Softmax(arena, rows_max, h, seg)
-    n_ent = rows_max * seg
-    ids = arena.take(n_ent, torch.int64)
-    rows_bf16 = arena.take(n_ent * D, torch.bfloat16).view(n_ent, D)
-    tmpb_buf = arena.take(n_ent, torch.bool)
-    pos = arena.take(seg, torch.int32)
-    minmax = arena.take(2, torch.int64)
+    cols = _group_cols(tuple(n for _, n in parts))
+    plan = _plan(s_q, 1, h, cols, eb, budget_bytes)
+    plan, buf = _resolve_scratch(scratch, plan, dev,
+                                 lambda nb: _plan(s_q, 1, h, cols, eb, nb))
+    rows_max = plan.rows
+
+    def carve() -> tuple:
+        arena = _Arena(buf)
+        n_ent = rows_max * cols
+        return (_Softmax(arena, rows_max, h, cols), arena.take(n_ent, torch.int64),
+                arena.take(n_ent * D, torch.bfloat16).view(n_ent, D),
+                arena.take(n_ent, torch.bool), arena.take(cols, torch.int32),
+                arena.take(2, torch.int64))
+
+    sm, ids, rows_bf16, tmpb_buf, pos, minmax = _carved(
+        scratch, buf, ("prefill", plan, h), carve)
     kv2d = kv[:, 0, :]
+    groups = _groups(parts)
     for r0 in range(0, s_q, rows_max):
         r1 = min(s_q, r0 + rows_max)
         r = r1 - r0
         sm.begin(r)
-        sm.q_v.copy_(q[r0:r1])
-        sm.q_v.mul_(dims.sm_scale)
-        for c0 in range(0, topk, seg):
-            c1 = min(topk, c0 + seg)
-            w = c1 - c0
-            k_seg, inv = sm.segment_views(w)
+        sm.qt_v.copy_(q[r0:r1].transpose(1, 2))
+        sm.qt_v.mul_(dims.sm_scale)
+        for gi, (_, c0, w) in enumerate(groups):
+            c1 = c0 + w
+            inv = sm.inv_v[:, :w]
+            k_g = sm.k_v[:, :w]
             idx_v = indices[r0:r1, 0, c0:c1]
             tmpb = tmpb_buf[: r * w].view(r, w)
             torch.lt(idx_v, 0, out=inv)
@@ -560,16 +721,19 @@ def sparse_mla_prefill_torch(
             torch.amax(ids[: r * w], 0, out=minmax[1])
             lo, hi = minmax.tolist()
             if hi < 0:
-                k_seg.zero_()
+                if gi > 0:
+                    continue  # no valid entry in the chunk: folding it is an exact no-op
+                k_g.zero_()
             else:
                 if lo < 0:
                     ids_v.masked_fill_(inv, hi)
                 torch.index_select(kv2d, 0, ids[: r * w], out=rows_bf16[: r * w])
                 # bf16 -> fp32 as a 16-bit shift of the bit pattern.
-                k_i = k_seg.view(torch.int32)
+                k_i = k_g.view(torch.int32)
                 k_i.copy_(rows_bf16[: r * w].view(r, w, D).view(torch.int16))
                 k_i.bitwise_left_shift_(16)
-            sm.update(w, lo < 0)
+            nseg, padded = sm.pad_tail(w)
+            sm.update(nseg, lo < 0 or padded)
         acc = sm.finish(attn_sink, lse_out[r0:r1])
         max_logits_out[r0:r1].copy_(sm.m_v)
         out[r0:r1].copy_(acc)

@@ -39,7 +39,7 @@ import platform
 import torch
 
 from vllm_dsv4_backend.formats import fp8_ds_mla
-from vllm_dsv4_backend.ops.checks import DecodeDims
+from vllm_dsv4_backend.ops.checks import DecodeInputs
 
 __all__ = ["available", "cpp_op", "has_op", "load", "sparse_mla_decode_vllm_cpu"]
 
@@ -110,15 +110,6 @@ def available(device: torch.device) -> tuple[bool, str]:
     return load()
 
 
-def _cache_2d(cache: torch.Tensor, layout: fp8_ds_mla.CacheLayout) -> torch.Tensor:
-    return torch.as_strided(
-        cache,
-        (layout.num_blocks, fp8_ds_mla.BYTES_PER_TOKEN * layout.block_size),
-        (layout.stride0, 1),
-        layout.storage_offset,
-    )
-
-
 def _slots(indices: torch.Tensor, lens: torch.Tensor | None, s_q: int,
            min_cols: int) -> torch.Tensor:
     b, _, topk = indices.shape
@@ -135,52 +126,44 @@ def _slots(indices: torch.Tensor, lens: torch.Tensor | None, s_q: int,
 
 
 def sparse_mla_decode_vllm_cpu(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    indices: torch.Tensor,
-    topk_length: torch.Tensor | None,
-    attn_sink: torch.Tensor | None,
-    dims: DecodeDims,
-    extra_k_cache: torch.Tensor | None = None,
-    extra_indices: torch.Tensor | None = None,
-    extra_topk_length: torch.Tensor | None = None,
-    *,
-    out: torch.Tensor | None = None,
+    call: DecodeInputs, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Sparse decode through ``torch.ops._C.flash_mla_with_kvcache_cpu`` (validated args).
 
-    Same arguments as the reference; returns ``out`` ``[b, s_q, h_q, 512]`` bf16 only (the
-    kernel does not produce the lse). Index ranges must have been checked by the caller.
+    ``call``: the validated inputs (those of the torch reference); returns ``out``
+    ``[b, s_q, h_q, 512]`` bf16 only (the kernel does not produce the lse). Index ranges
+    must have been checked by the caller.
     """
     ok, reason = load()
     if not ok:
         raise RuntimeError(f"vllm_cpu kernel path unavailable: {reason}")
+    dims, dev = call.dims, call.q.device
     b, s_q, h = dims.batch, dims.s_q, dims.h_q
     t = b * s_q
     if out is None:
-        out = torch.empty(b, s_q, h, fp8_ds_mla.HEAD_DIM, dtype=torch.bfloat16, device=q.device)
+        out = torch.empty(b, s_q, h, fp8_ds_mla.HEAD_DIM, dtype=torch.bfloat16, device=dev)
     if t == 0:
         return out
-    q3 = q.reshape(t, h, fp8_ds_mla.HEAD_DIM)
+    q3 = call.q.reshape(t, h, fp8_ds_mla.HEAD_DIM)
     if q3.stride(-1) != 1:
         q3 = q3.contiguous()
     out3 = out.view(t, h, fp8_ds_mla.HEAD_DIM) if out.is_contiguous() else torch.empty(
-        t, h, fp8_ds_mla.HEAD_DIM, dtype=torch.bfloat16, device=q.device
+        t, h, fp8_ds_mla.HEAD_DIM, dtype=torch.bfloat16, device=dev
     )
-    win_cache = _cache_2d(k_cache, dims.layout)
-    win_slots = _slots(indices, topk_length, s_q, 1)
-    if extra_k_cache is not None and dims.extra_topk > 0:
+    win_cache = dims.layout.blocks_2d(call.k_cache)
+    win_slots = _slots(call.indices, call.topk_length, s_q, 1)
+    if call.extra_k_cache is not None and dims.extra_topk > 0:
         assert dims.extra_layout is not None
-        comp_cache = _cache_2d(extra_k_cache, dims.extra_layout)
-        comp_slots = _slots(extra_indices, extra_topk_length, s_q, 0)  # type: ignore[arg-type]
+        comp_cache = dims.extra_layout.blocks_2d(call.extra_k_cache)
+        comp_slots = _slots(call.extra_indices, call.extra_topk_length, s_q, 0)  # type: ignore[arg-type]
         comp_bs = dims.extra_layout.block_size
     else:
         comp_cache = win_cache
-        comp_slots = torch.empty(t, 0, dtype=torch.int64, device=q.device)
+        comp_slots = torch.empty(t, 0, dtype=torch.int64, device=dev)
         comp_bs = 1
-    sink = attn_sink
+    sink = call.attn_sink
     if sink is None:
-        sink = torch.full((h,), -torch.inf, dtype=torch.float32, device=q.device)
+        sink = torch.full((h,), -torch.inf, dtype=torch.float32, device=dev)
     elif not sink.is_contiguous():
         sink = sink.contiguous()
     cpp_op()(

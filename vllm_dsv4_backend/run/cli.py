@@ -170,23 +170,32 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Session:
+    """One serve-eval / serve-bench run: what its server and its client are started with."""
+
+    serve: ServeConfig
+    args: argparse.Namespace
+    out_dir: Path
+    env: dict[str, str]
+    # Every command started, by name ("serve", then the client's), for the summary.
+    commands: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
 @contextlib.contextmanager
-def served(
-    serve: ServeConfig,
-    args: argparse.Namespace,
-    out_dir: Path,
-    env: dict[str, str],
-    commands: dict[str, str],
-) -> Iterator[str]:
+def served(session: _Session) -> Iterator[str]:
     """Yield a base URL: ``--base-url`` as given, or a fresh server that is stopped after."""
+    args = session.args
     if args.base_url:
         _say(f"using the running server at {args.base_url} (not starting one)")
         yield args.base_url.rstrip("/")
         return
     port = args.port or find_free_port(args.host)
-    cmd = build_serve_command(serve, host=args.host, port=port, extra_args=args.serve_arg)
-    commands["serve"] = shlex.join(cmd)
-    server = ServerProcess(cmd, host=args.host, port=port, log_path=out_dir / "server.log", env=env)
+    cmd = build_serve_command(session.serve, host=args.host, port=port, extra_args=args.serve_arg)
+    session.commands["serve"] = shlex.join(cmd)
+    server = ServerProcess(
+        cmd, host=args.host, port=port, log_path=session.out_dir / "server.log", env=session.env
+    )
     _say(f"starting vLLM: {shlex.join(cmd)}")
     _say(f"server log: {server.log_path}")
     try:
@@ -238,6 +247,32 @@ def _dry_run_server(serve: ServeConfig, args: argparse.Namespace) -> str:
     return f"http://{args.host}:{port}"
 
 
+def _run_client(
+    session: _Session, client_cmd: Callable[[str], list[str]], name: str, what: str
+) -> float | None:
+    """Run the client ``client_cmd(url)`` against :func:`served`, once (eval and bench share it).
+
+    Its command goes to ``session.commands[name]``, its output to ``out_dir / f"{name}.log"``;
+    ``what`` names it in messages. With ``--dry-run`` only the commands are printed and the
+    result is None; else it is the ``time.monotonic()`` taken before the server started (the
+    summaries' ``wall_s`` counts the server start).
+    """
+    out_dir = session.out_dir
+    if session.args.dry_run:
+        print(shlex.join(client_cmd(_dry_run_server(session.serve, session.args))))
+        return None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _say(f"results go to {out_dir}")
+    t0 = time.monotonic()
+    with served(session) as url:
+        cmd = client_cmd(url)
+        session.commands[name] = shlex.join(cmd)
+        log_path = out_dir / f"{name}.log"
+        _say(f"running {what} (log: {log_path})")
+        run_logged(cmd, log_path, session.env, what)
+    return t0
+
+
 def cmd_serve_eval(args: argparse.Namespace) -> int:
     serve = load_serve_config(args.serve_config)
     ev = load_eval_config(args.eval_config)
@@ -245,8 +280,7 @@ def cmd_serve_eval(args: argparse.Namespace) -> int:
     if not args.no_gate:
         _check_gates_evaluable(ev, baseline)
     out_dir = Path(args.out_dir) if args.out_dir else default_out_dir(serve.name, ev.name)
-    env = _common_env(args)
-    commands: dict[str, str] = {}
+    session = _Session(serve, args, out_dir, _common_env(args))
     lm_out = out_dir / "lm_eval"
 
     def lm_eval_cmd(url: str) -> list[str]:
@@ -254,17 +288,9 @@ def cmd_serve_eval(args: argparse.Namespace) -> int:
                                      tokenizer=serve.tokenizer, output_path=lm_out,
                                      limit=args.limit)
 
-    if args.dry_run:
-        print(shlex.join(lm_eval_cmd(_dry_run_server(serve, args))))
+    t0 = _run_client(session, lm_eval_cmd, "lm_eval", "lm_eval")
+    if t0 is None:
         return EXIT_PASS
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _say(f"results go to {out_dir}")
-    t0 = time.monotonic()
-    with served(serve, args, out_dir, env, commands) as url:
-        cmd = lm_eval_cmd(url)
-        commands["lm_eval"] = shlex.join(cmd)
-        _say(f"running lm_eval (log: {out_dir / 'lm_eval.log'})")
-        run_logged(cmd, out_dir / "lm_eval.log", env, "lm_eval")
     res_path = find_lm_eval_results(lm_out)
     lm = json.loads(res_path.read_text())
     rows = [] if args.no_gate else gate_eval(ev, lm["results"], baseline, str(args.baseline))
@@ -275,7 +301,7 @@ def cmd_serve_eval(args: argparse.Namespace) -> int:
         "eval_config": str(ev.path),
         "served_model_name": serve.served_model_name,
         "env": {k: v for k, v in parse_env_pairs(args.env).items()},
-        "commands": commands,
+        "commands": session.commands,
         "lm_eval_results_file": str(res_path),
         "results": lm["results"],
         "n-samples": lm.get("n-samples"),
@@ -314,8 +340,7 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
     baseline = _load_baseline(args.baseline)
     max_reg = args.max_regression if args.max_regression is not None else bench.max_regression
     out_dir = Path(args.out_dir) if args.out_dir else default_out_dir(serve.name, bench.name)
-    env = _common_env(args)
-    commands: dict[str, str] = {}
+    session = _Session(serve, args, out_dir, _common_env(args))
     result_name = "bench-result.json"
     apply_overrides(bench.args, args.set)  # validate before starting anything
 
@@ -331,17 +356,9 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
             overrides=args.set,
         )
 
-    if args.dry_run:
-        print(shlex.join(bench_cmd(_dry_run_server(serve, args))))
+    t0 = _run_client(session, bench_cmd, "bench", "vllm bench serve")
+    if t0 is None:
         return EXIT_PASS
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _say(f"results go to {out_dir}")
-    t0 = time.monotonic()
-    with served(serve, args, out_dir, env, commands) as url:
-        cmd = bench_cmd(url)
-        commands["bench"] = shlex.join(cmd)
-        _say(f"running vllm bench serve (log: {out_dir / 'bench.log'})")
-        run_logged(cmd, out_dir / "bench.log", env, "vllm bench serve")
     raw = json.loads((out_dir / result_name).read_text())
     return _finish_bench(
         raw,
@@ -353,7 +370,7 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
             "serve_config": str(serve.path),
             "bench_config": str(bench.path),
             "env": parse_env_pairs(args.env),
-            "commands": commands,
+            "commands": session.commands,
             "wall_s": round(time.monotonic() - t0, 1),
         },
     )
