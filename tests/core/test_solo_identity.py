@@ -49,3 +49,18 @@ def test_bench_cli_dispatches_the_layer_comparisons(capsys):
             cli.main([name, "--help"])
         assert ei.value.code == 0
     assert "--concurrency" in capsys.readouterr().out
+
+
+def test_summarize_and_format():
+    solo = [_out([1, 4], [-3.6, -3.5], [{1: -3.6, 2: -3.7}, {4: -3.5}])] * 2
+    far = _out([9, 4], [-3.6, -3.5], [{9: -3.6}, {4: -3.5}])
+    summary = SI.summarize(solo, [[solo[0], far], [solo[0], {"error": "HTTP 500"}]],
+                           [[5], [6, 7]], 1.0)
+    assert {k: summary[k] for k in ("same", "tie", "far", "error", "outputs")} == {
+        "same": 2, "tie": 0, "far": 1, "error": 1, "outputs": 4}
+    assert summary["far_cases"] == [
+        ("run 0 prompt 1 (2 tokens): step 0: 9 vs 1 outside each other's top-20, drift before "
+        "0.0000")]
+    text = SI.format_result({"prompts": 2, "runs": 2, "concurrency": 16, "tokens": 2,
+                             "summary": {"plugin": summary, "vllm": summary}})
+    assert "plugin    2/4      0     1      1" in text and "far: run 0 prompt 1" in text

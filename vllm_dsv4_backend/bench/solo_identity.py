@@ -112,6 +112,27 @@ def classify(conc: dict[str, Any], solo: dict[str, Any], tie_margin: float
     return kind, drift, f"step {k}: {a} vs {b}, gap {gap:.3f}"
 
 
+def summarize(solo: Sequence[dict[str, Any]], concurrent: Sequence[Sequence[dict[str, Any]]],
+              prompts: Sequence[list[int]], tie_margin: float) -> dict[str, Any]:
+    """Counts of one server's concurrent outputs against its solo ones."""
+    counts = {"same": 0, "tie": 0, "far": 0, "error": 0}
+    drifts: list[float] = []
+    far: list[str] = []
+    for r, conc in enumerate(concurrent):
+        for i, (c, s) in enumerate(zip(conc, solo)):
+            if "error" in c or "error" in s:
+                counts["error"] += 1
+                continue
+            kind, drift, why = classify(c, s, tie_margin)
+            counts[kind] += 1
+            drifts.append(drift)
+            if kind == "far":
+                far.append(f"run {r} prompt {i} ({len(prompts[i])} tokens): {why}, "
+                           f"drift before {drift:.4f}")
+    return {**counts, "outputs": sum(len(c) for c in concurrent),
+            "max_drift": max(drifts, default=None), "far_cases": far}
+
+
 def run(*, prompts: int = 24, tokens: int = 16, concurrency: int = 16, runs: int = 2,
         tie_margin: float = 1.0, health_timeout: float = 1200.0,
         progress: TextIO | None = sys.stderr) -> dict[str, Any]:
@@ -157,25 +178,8 @@ def run(*, prompts: int = 24, tokens: int = 16, concurrency: int = 16, runs: int
             server.stop()
     (out / "outputs.json").write_text(json.dumps({"prompts": reqs, "outputs": outputs}))
 
-    summary: dict[str, Any] = {}
-    for impl in IMPLS:
-        solo = outputs[impl]["solo"]
-        counts = {"same": 0, "tie": 0, "far": 0, "error": 0}
-        drifts: list[float] = []
-        far: list[str] = []
-        for r, conc in enumerate(outputs[impl]["concurrent"]):
-            for i, (c, s) in enumerate(zip(conc, solo)):
-                if "error" in c or "error" in s:
-                    counts["error"] += 1
-                    continue
-                kind, drift, why = classify(c, s, tie_margin)
-                counts[kind] += 1
-                drifts.append(drift)
-                if kind == "far":
-                    far.append(f"run {r} prompt {i} ({len(reqs[i])} tokens): {why}, "
-                               f"drift before {drift:.4f}")
-        summary[impl] = {**counts, "outputs": runs * len(reqs),
-                         "max_drift": max(drifts, default=None), "far": far}
+    summary = {impl: summarize(outputs[impl]["solo"], outputs[impl]["concurrent"], reqs,
+                               tie_margin) for impl in IMPLS}
     return {"schema": SCHEMA, "prompts": len(reqs), "tokens": tokens,
             "concurrency": concurrency, "runs": runs, "tie_margin": tie_margin,
             "summary": summary, "out_dir": str(out), "wall_s": time.monotonic() - t0}
@@ -189,7 +193,7 @@ def format_result(res: dict[str, Any]) -> str:
         drift = "n/a" if s["max_drift"] is None else f"{s['max_drift']:.4f}"
         lines.append(f"{impl:<8}{s['same']:>3}/{s['outputs']:<2}{s['tie']:>6}{s['far']:>6}"
                      f"{s['error']:>7}{drift:>11}")
-        lines.extend(f"    far: {w}" for w in s["far"])
+        lines.extend(f"    far: {w}" for w in s["far_cases"])
     return "\n".join(lines)
 
 
