@@ -64,3 +64,12 @@ def test_summarize_and_format():
     text = SI.format_result({"prompts": 2, "runs": 2, "concurrency": 16, "tokens": 2,
                              "summary": {"plugin": summary, "vllm": summary}})
     assert "plugin    2/4      0     1      1" in text and "far: run 0 prompt 1" in text
+
+
+def test_finish_writes_json_and_prints(tmp_path, capsys):
+    from vllm_dsv4_backend.bench import finish
+
+    assert finish({"a": 1}, str(tmp_path / "r.json"), "table") == 0
+    assert (tmp_path / "r.json").read_text().strip().startswith("{")
+    assert capsys.readouterr().out == "table\n"
+    assert finish({"a": 1}, None, "t2") == 0 and not (tmp_path / "t2").exists()

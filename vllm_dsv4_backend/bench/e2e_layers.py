@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from vllm_dsv4_backend.bench import finish
 from vllm_dsv4_backend.bench.e2e import BENCH_CONFIG, REPO, SERVE_CONFIG, E2EError
 
 SCHEMA = "vllm-dsv4-e2e-layers/1"
@@ -197,10 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (E2EError, ValueError) as e:
         print(f"e2e-layers failed: {e}", file=sys.stderr)
         return 3
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
-    print(format_result(res))
-    return 0
+    return finish(res, args.json, format_result(res))
 
 
 if __name__ == "__main__":

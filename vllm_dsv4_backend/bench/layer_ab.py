@@ -42,6 +42,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from vllm_dsv4_backend.bench import finish
+
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "configs" / "tiny-dsv4"
 SCHEMA = "vllm-dsv4-layer-ab/1"
@@ -298,10 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--batches, --context and --reps must be positive")
     res = run(flash_shaped=args.flash_shaped, batches=batches, context=args.context,
               prefill=args.prefill, reps=args.reps)
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
-    print(format_result(res))
-    return 0
+    return finish(res, args.json, format_result(res))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from vllm_dsv4_backend.bench import finish
 from vllm_dsv4_backend.bench.e2e import REPO, SERVE_CONFIG
 
 SCHEMA = "vllm-dsv4-solo-identity/1"
@@ -210,10 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--prompts, --tokens, --concurrency and --runs must be positive")
     res = run(prompts=args.prompts, tokens=args.tokens, concurrency=args.concurrency,
               runs=args.runs, tie_margin=args.tie_margin)
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
-    print(format_result(res))
-    return 0
+    return finish(res, args.json, format_result(res))
 
 
 if __name__ == "__main__":
