@@ -39,12 +39,65 @@ def check_architecture(vllm_config: Any) -> None:
     )
 
 
+def _block_of(hf_config: Any) -> int:
+    """The weights' quantization block along the output dim (1 when unquantized)."""
+    quant = getattr(hf_config, "quantization_config", None) or {}
+    if not isinstance(quant, dict):
+        quant = getattr(quant, "__dict__", {})
+    block = quant.get("weight_block_size") or [1]
+    return int(block[0])
+
+
+def tp_shape_problems(hf_config: Any, tp: int, expert_parallel: bool = False) -> list[str]:
+    """Per-rank shapes DeepSeek-V4 cannot take at tensor-parallel size ``tp``.
+
+    Each rank holds ``heads / tp`` attention heads, ``o_groups / tp`` output
+    groups (``wo_a`` is a grouped projection), ``moe_intermediate_size x
+    n_shared_experts / tp`` columns of the fp8 shared expert, a whole number
+    of the checkpoint's fp8 weight blocks (vllm#40955: DeepSeek-V4-Pro at TP
+    16 gives 3072 / 16 = 192, not a multiple of 128), and, without expert
+    parallelism, ``moe_intermediate_size / tp`` columns of every routed expert.
+    Returns one line per violated dimension, then the TP sizes that work;
+    empty when ``tp`` is fine.
+    """
+    block = _block_of(hf_config)
+    dims: list[tuple[str, int, int]] = [
+        ("num_attention_heads", int(hf_config.num_attention_heads), 1),
+        ("o_groups", int(getattr(hf_config, "o_groups", 1) or 1), 1),
+    ]
+    inter = getattr(hf_config, "moe_intermediate_size", None)
+    if inter:
+        shared = int(getattr(hf_config, "n_shared_experts", 0) or 0)
+        if shared:
+            dims.append(("moe_intermediate_size x n_shared_experts", int(inter) * shared, block))
+        if not expert_parallel:
+            # Routed experts use their own (FP4) blocks: only divisibility is checked.
+            dims.append(("moe_intermediate_size", int(inter), 1))
+
+    def fits(size: int, unit: int, t: int) -> bool:
+        return size % t == 0 and (size // t) % unit == 0
+
+    works = [t for t in (1, 2, 4, 8, 16, 32, 64) if all(fits(n, u, t) for _, n, u in dims)]
+    problems = []
+    for name, size, unit in dims:
+        if not fits(size, unit, tp):
+            per_rank = f"{size} / {tp} = {size / tp:g}"
+            need = "a whole number" if unit == 1 else f"a multiple of the {unit}-wide fp8 block"
+            problems.append(f"{name} {per_rank} per rank is not {need}")
+    if problems:
+        problems.append(f"tensor-parallel sizes that work for this model: {works}"
+                        + ("" if expert_parallel else
+                           " (--enable-expert-parallel lifts the routed-expert constraint)"))
+    return problems
+
+
 def check_settings(engine_args: Any, vllm_config: Any) -> None:
     """Refuse, for DeepSeek-V4 on FLASHMLA_SPARSE_DSV4, the flags the backend
     cannot honour instead of letting vLLM silently change them: a
     ``--kv-cache-dtype`` that is not the 584 B fp8_ds_mla format, and a
     ``--block-size`` other than the kernels' 256 tokens (vLLM's CPU platform
-    overrides it with only a warning)."""
+    overrides it with only a warning), and a ``--tensor-parallel-size`` whose
+    per-rank shapes the layers cannot take (:func:`tp_shape_problems`)."""
     from vllm_dsv4_backend.formats.constants import KERNEL_BLOCK_SIZE, KV_CACHE_DTYPES
 
     backend = vllm_config.attention_config.backend
@@ -66,6 +119,15 @@ def check_settings(engine_args: Any, vllm_config: Any) -> None:
             f"--block-size {block}: {BACKEND_NAME} (vllm_dsv4_backend) pages DeepSeek-V4's "
             f"caches in blocks of {KERNEL_BLOCK_SIZE} tokens (64 per SWA block, 64 C4 / 2 C128 "
             f"entries per compressed block); drop --block-size or pass {KERNEL_BLOCK_SIZE}"
+        )
+    parallel = vllm_config.parallel_config
+    tp = int(parallel.tensor_parallel_size)
+    problems = tp_shape_problems(vllm_config.model_config.hf_config, tp,
+                                 bool(getattr(parallel, "enable_expert_parallel", False)))
+    if problems:
+        raise ValueError(
+            f"--tensor-parallel-size {tp}: DeepSeek-V4's per-rank shapes do not fit: "
+            + "; ".join(problems)
         )
 
 

@@ -75,3 +75,16 @@ def test_dsv4_other_block_size_is_refused():
     # vLLM's CPU platform would override 128 with 256 and only warn.
     with pytest.raises(ValueError, match=r"--block-size 128.*256"):
         _engine_config(TINY_DSV4, "FLASHMLA_SPARSE_DSV4", block_size=128)
+
+
+def test_dsv4_tp_size_with_unfit_per_rank_shapes_is_refused(tmp_path):
+    # vLLM checks the heads itself; the grouped wo_a is ours: 1 output group over 2 ranks
+    # is refused at config time with the sizes that work, not at load or first request.
+    model = tmp_path / "tiny-one-group"
+    shutil.copytree(TINY_DSV4, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["o_groups"] = 1
+    (model / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 2: .*o_groups 1 / 2 = 0.5 per "
+                                         r"rank.*sizes that work for this model: \[1\]"):
+        _engine_config(model, "FLASHMLA_SPARSE_DSV4", tensor_parallel_size=2)
