@@ -21,8 +21,10 @@ op (vLLM's order)                         output
                                           ``topk.global`` (the page ids vLLM discards)
 ``flash_mla_with_kvcache_cpu``            workspace ``q.out`` (the padded attention
                                           output vLLM allocated per layer and step)
-``inverse_gptj_rope_o_proj_cpu``,         vLLM's ``_o_proj``, unchanged (no output
-``bmm_cpu``                               argument / not part of the eager hand-over)
+``inverse_gptj_rope_o_proj_cpu``          returned by the kernel (no output argument)
+``bmm_cpu`` (``wo_a``)                    the inverse-RoPE result's memory (dead by
+                                          then); its group-major input, and ``wo_b``'s
+                                          token-major input after it, in ``q.out``
 ========================================  ===========================================
 
 The MXFP4 indexer cache has no vLLM CPU op (vLLM's CPU path is FP8 only), so
