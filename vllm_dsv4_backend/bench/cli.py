@@ -393,7 +393,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in SUBCOMMANDS:
         import importlib
 
-        return int(importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:]) or 0)
+        # argparse names the program after argv[0]: usage lines then read
+        # "vllm-dsv4-bench layer-ab ...".
+        prog, sys.argv[0] = sys.argv[0], f"vllm-dsv4-bench {argv[0]}"
+        try:
+            return int(importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:]) or 0)
+        finally:
+            sys.argv[0] = prog
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.summary_from:
