@@ -4,9 +4,12 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -37,3 +40,15 @@ def local_serve_config(path: Path) -> R.ServeConfig:
         pytest.fail(f"serve config {path}: model {serve.model!r} is not a local directory "
                     "(these tests run offline)")
     return serve
+
+
+def load_core_module(filename: str, name: str) -> ModuleType:
+    """A ``tests/core`` file as a module (tests/core is not a package), for the vLLM
+    tests that reuse its case builders and oracles against vLLM's kernels."""
+    path = Path(__file__).resolve().parents[1] / "core" / filename
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

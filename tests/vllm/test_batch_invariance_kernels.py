@@ -19,17 +19,16 @@ CPUs) or where ``torch.ops._C.*`` are the plugin's torch fallbacks. No engine st
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 import types
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 pytest.importorskip("vllm")
+
+from _helpers import load_core_module  # noqa: E402  (tests/vllm is on sys.path)
 
 from vllm_dsv4_backend import eager  # noqa: E402
 from vllm_dsv4_backend.formats import fp8_ds_mla  # noqa: E402
@@ -40,12 +39,7 @@ from vllm_dsv4_backend.vllm_compat import cpu_ops  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-_WORLD = Path(__file__).resolve().parents[1] / "core" / "bi_world.py"
-_spec = importlib.util.spec_from_file_location("_bi_world_for_kernels", _WORLD)
-assert _spec is not None and _spec.loader is not None
-W = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = W
-_spec.loader.exec_module(W)
+W = load_core_module("bi_world.py", "_bi_world_for_kernels")
 
 KERNELS = (
     "flash_mla_with_kvcache_cpu",

@@ -11,21 +11,14 @@ tests skip.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
-_CORE = Path(__file__).resolve().parents[1] / "core" / "test_compressor_store.py"
-_spec = importlib.util.spec_from_file_location("_core_compressor_store", _CORE)
-assert _spec is not None and _spec.loader is not None
-_core = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = _core
-_spec.loader.exec_module(_core)
+from _helpers import load_core_module  # noqa: E402  (tests/vllm is on sys.path)
+
+_core = load_core_module("test_compressor_store.py", "_core_compressor_store")
 
 # Collected here, so they use this module's ``cpu_ops`` fixture.
 test_save_partial_states_matches_cpu_op = _core.test_save_partial_states_matches_cpu_op

@@ -11,9 +11,6 @@ same names) these tests skip.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,15 +18,12 @@ import torch
 
 pytest.importorskip("vllm")
 
+from _helpers import load_core_module  # noqa: E402  (tests/vllm is on sys.path)
+
 from vllm_dsv4_backend.formats import indexer_cache as ic  # noqa: E402
 from vllm_dsv4_backend.ops import indexer as ix  # noqa: E402
 
-_CORE = Path(__file__).resolve().parents[1] / "core" / "test_indexer.py"
-_spec = importlib.util.spec_from_file_location("_core_indexer", _CORE)
-assert _spec is not None and _spec.loader is not None
-_core = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = _core
-_spec.loader.exec_module(_core)
+_core = load_core_module("test_indexer.py", "_core_indexer")
 
 # The core module's case builders and oracles, under their own names so the test bodies
 # read exactly as they did there.
@@ -41,6 +35,11 @@ oracle_rope_row = _core.oracle_rope_row
 
 
 def _vllm_op(name: str) -> Any:
+    """vLLM's real C++ kernel ``name``, the oracle of these tests. It exists only in vLLM's
+    AVX512-BF16 CPU library, so on AVX2 machines the tests skip (a platform skip, like a
+    GPU-only test on CPU); on AVX512-BF16/AMX machines (this project's CI runs on both)
+    they run and can fail. The torch fallbacks are checked everywhere against the recorded
+    C++ outputs instead (tests/core/test_golden_kernels.py)."""
     pytest.importorskip("vllm")
     from vllm.platforms import current_platform
 

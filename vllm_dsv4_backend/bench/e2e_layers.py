@@ -26,12 +26,13 @@ vLLM runs only in subprocesses.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -78,6 +79,31 @@ def _ratio(plugin: float | None, vllm: float | None, lower_is_better: bool) -> f
     return vllm / plugin if lower_is_better else plugin / vllm
 
 
+@contextlib.contextmanager
+def served_layers(serve: Any, out: Path, scratch: Path, health_timeout: float,
+                  say: Callable[[str], None], progress: TextIO | None
+                  ) -> Iterator[tuple[dict[str, Any], dict[str, dict[str, str]]]]:
+    """Both layers served at once (``VLLM_DSV4_ATTN_IMPL`` per server, logs under
+    ``out``), healthy on entry, stopped on exit: ``(servers, envs)`` keyed by impl."""
+    from vllm_dsv4_backend import run as R
+
+    servers: dict[str, Any] = {}
+    envs: dict[str, dict[str, str]] = {}
+    try:
+        for impl in IMPLS:
+            envs[impl] = R.cpu_env(scratch, {**os.environ, "VLLM_DSV4_ATTN_IMPL": impl})
+            servers[impl] = R.make_server(serve, log_path=out / f"server-{impl}.log",
+                                          env=envs[impl])
+            say(f"{impl}: starting vllm serve (log {servers[impl].log_path})")
+            servers[impl].start()
+        for impl in IMPLS:
+            servers[impl].wait_healthy(timeout=health_timeout, progress=progress)
+        yield servers, envs
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
 def run(*, rounds: int = 6, scenarios: Mapping[str, Sequence[str]] = SCENARIOS,
         out_dir: str | os.PathLike[str] | None = None, health_timeout: float = 1200.0,
         progress: TextIO | None = sys.stderr) -> dict[str, Any]:
@@ -98,47 +124,36 @@ def run(*, rounds: int = 6, scenarios: Mapping[str, Sequence[str]] = SCENARIOS,
             progress.flush()
 
     t0 = time.monotonic()
-    servers: dict[str, Any] = {}
-    envs: dict[str, dict[str, str]] = {}
     runs: list[dict[str, Any]] = []
     try:
-        for impl in IMPLS:
-            envs[impl] = R.cpu_env(scratch, {**os.environ, "VLLM_DSV4_ATTN_IMPL": impl})
-            servers[impl] = R.make_server(serve, log_path=out / f"server-{impl}.log",
-                                          env=envs[impl])
-            say(f"{impl}: starting vllm serve (log {servers[impl].log_path})")
-            servers[impl].start()
-        for impl in IMPLS:
-            servers[impl].wait_healthy(timeout=health_timeout, progress=progress)
-        for name, overrides in scenarios.items():
-            bench = R.load_bench_config(BENCH_CONFIG)
-            R.apply_overrides(bench.args, list(overrides))
-            for r in range(rounds):
-                for impl in (IMPLS if r % 2 == 0 else IMPLS[::-1]):
-                    tag = f"{name}-{impl}-r{r}"
-                    cmd = R.build_bench_command(
-                        bench, base_url=servers[impl].base_url,
-                        model_name=serve.served_model_name, tokenizer=serve.tokenizer,
-                        tokenizer_mode=serve.tokenizer_mode, result_dir=out,
-                        result_filename=f"{tag}.json", overrides=list(overrides),
-                    )
-                    say(f"{name} round {r + 1}/{rounds}: {impl}")
-                    sid = servers[impl].proc.pid
-                    cpu0 = session_cpu_s(sid)
-                    R.run_logged(cmd, out / f"{tag}.log", envs[impl], "vllm bench serve")
-                    cpu = session_cpu_s(sid) - cpu0
-                    raw = json.loads((out / f"{tag}.json").read_text())
-                    tokens = raw.get("total_output_tokens") or 0
-                    metrics = {m: raw.get(m) for m in METRICS if m != "cpu_ms_per_token"}
-                    metrics["cpu_ms_per_token"] = 1e3 * cpu / tokens if tokens else None
-                    runs.append({"scenario": name, "impl": impl, "round": r,
-                                 "completed": raw.get("completed"), "failed": raw.get("failed"),
-                                 "cpu_s": cpu, "output_tokens": tokens, "metrics": metrics})
+        with served_layers(serve, out, scratch, health_timeout, say, progress) as (servers,
+                                                                                   envs):
+            for name, overrides in scenarios.items():
+                bench = R.load_bench_config(BENCH_CONFIG)
+                R.apply_overrides(bench.args, list(overrides))
+                for r in range(rounds):
+                    for impl in (IMPLS if r % 2 == 0 else IMPLS[::-1]):
+                        tag = f"{name}-{impl}-r{r}"
+                        cmd = R.build_bench_command(
+                            bench, base_url=servers[impl].base_url,
+                            model_name=serve.served_model_name, tokenizer=serve.tokenizer,
+                            tokenizer_mode=serve.tokenizer_mode, result_dir=out,
+                            result_filename=f"{tag}.json", overrides=list(overrides),
+                        )
+                        say(f"{name} round {r + 1}/{rounds}: {impl}")
+                        sid = servers[impl].proc.pid
+                        cpu0 = session_cpu_s(sid)
+                        R.run_logged(cmd, out / f"{tag}.log", envs[impl], "vllm bench serve")
+                        cpu = session_cpu_s(sid) - cpu0
+                        raw = json.loads((out / f"{tag}.json").read_text())
+                        tokens = raw.get("total_output_tokens") or 0
+                        metrics = {m: raw.get(m) for m in METRICS if m != "cpu_ms_per_token"}
+                        metrics["cpu_ms_per_token"] = 1e3 * cpu / tokens if tokens else None
+                        runs.append({"scenario": name, "impl": impl, "round": r,
+                                     "completed": raw.get("completed"), "failed": raw.get("failed"),
+                                     "cpu_s": cpu, "output_tokens": tokens, "metrics": metrics})
     except (R.RunError, R.ConfigError) as e:
         raise E2EError(str(e)) from e
-    finally:
-        for server in servers.values():
-            server.stop()
 
     summary: dict[str, Any] = {}
     for name in scenarios:

@@ -43,9 +43,9 @@ from typing import Any, TextIO
 
 from vllm_dsv4_backend.bench import finish
 from vllm_dsv4_backend.bench.e2e import REPO, SERVE_CONFIG
+from vllm_dsv4_backend.bench.e2e_layers import IMPLS, served_layers
 
 SCHEMA = "vllm-dsv4-solo-identity/1"
-IMPLS = ("plugin", "vllm")
 TOP_N = 20
 
 
@@ -153,17 +153,9 @@ def run(*, prompts: int = 24, tokens: int = 16, concurrency: int = 16, runs: int
             progress.flush()
 
     t0 = time.monotonic()
-    servers: dict[str, Any] = {}
     outputs: dict[str, dict[str, Any]] = {impl: {"solo": None, "concurrent": []}
                                           for impl in IMPLS}
-    try:
-        for impl in IMPLS:
-            env = R.cpu_env(scratch, {**os.environ, "VLLM_DSV4_ATTN_IMPL": impl})
-            servers[impl] = R.make_server(serve, log_path=out / f"server-{impl}.log", env=env)
-            say(f"{impl}: starting vllm serve (log {servers[impl].log_path})")
-            servers[impl].start()
-        for impl in IMPLS:
-            servers[impl].wait_healthy(timeout=health_timeout, progress=progress)
+    with served_layers(serve, out, scratch, health_timeout, say, progress) as (servers, _):
         for impl in IMPLS:
             say(f"{impl}: {len(reqs)} prompts one at a time")
             outputs[impl]["solo"] = asyncio.run(_run_all(
@@ -174,9 +166,6 @@ def run(*, prompts: int = 24, tokens: int = 16, concurrency: int = 16, runs: int
                 outputs[impl]["concurrent"].append(asyncio.run(_run_all(
                     servers[impl].base_url, serve.served_model_name, reqs, tokens,
                     concurrency)))
-    finally:
-        for server in servers.values():
-            server.stop()
     (out / "outputs.json").write_text(json.dumps({"prompts": reqs, "outputs": outputs}))
 
     summary = {impl: summarize(outputs[impl]["solo"], outputs[impl]["concurrent"], reqs,

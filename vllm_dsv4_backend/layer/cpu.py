@@ -124,6 +124,13 @@ def _ubatch_id() -> int:
     return 0 if _dbo_ubatch_id is None else int(_dbo_ubatch_id())
 
 
+def _short_context(indexer_md: Any, compress_ratio: int, topk_tokens: int) -> bool:
+    """vLLM's rule (``DeepseekV4CPUIndexer.forward``): no row sees more than
+    ``topk_tokens`` compressed entries, so the indexer fills "every visible
+    entry" instead of scoring."""
+    return indexer_md.max_seq_len // compress_ratio <= topk_tokens
+
+
 def _map_slots(
     local: torch.Tensor, req_idx: torch.Tensor, block_table: torch.Tensor, block_size: int
 ) -> torch.Tensor:
@@ -242,9 +249,7 @@ class DSV4Indexer(DeepseekV4CPUIndexer):
         attn_metadata = get_forward_context().attn_metadata
         if isinstance(attn_metadata, dict):
             md = attn_metadata[self.k_cache.prefix]
-            short = md.max_seq_len // self.compress_ratio <= self.topk_tokens
-            self._dsv4_owner._short_topk = short
-            if short:
+            if _short_context(md, self.compress_ratio, self.topk_tokens):
                 self.compressor(compressed_kv_score, positions, rotary_emb)
                 num_tokens = md.num_decode_tokens + md.num_prefill_tokens
                 if num_tokens > 0:
@@ -328,8 +333,6 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         self._layer_name_arg = _encode_layer_name(self.prefix)
         self._markers = envs.VLLM_DSV4_MARKER_DIR is not None
         self._win_offsets: torch.Tensor | None = None
-        # Set by the indexer each step: vLLM's short-context top-k fill ran.
-        self._short_topk = False
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         super().process_weights_after_loading(act_dtype)
@@ -558,9 +561,11 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
                 # Short context: the indexer filled the model-wide top-k buffer
                 # with "every visible entry", the same for every C4 layer of
                 # the step, so the mapped table is shared like the others.
+                ind_md = attn_metadata[self.indexer.k_cache.prefix]
+                short = _short_context(ind_md, self.compress_ratio, self.indexer.topk_tokens)
                 compressed_slots = (
                     tables.get("c4_short", flash_md, positions, c4_slots)
-                    if self._short_topk else c4_slots()
+                    if short else c4_slots()
                 )
             else:
                 compressed_slots = tables.get(
