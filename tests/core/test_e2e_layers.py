@@ -1,22 +1,24 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""bench.e2e_layers without vLLM: both layers' servers up at once, rounds alternate,
-ratios are the median of per-round pairs, CPU time per token from the server's session."""
+"""bench.e2e_layers without vLLM: rounds alternate the layers' order, warm-up rounds are
+left out, every round draws new prompts that both layers get, ratios are the median of
+per-round pairs with the 95% CI of the median, and the streaming client's TTFT/TPOT
+arithmetic and errors, against a local aiohttp server (the real vLLM server is in
+tests/vllm/test_bench_client_served.py)."""
 
+import asyncio
 import json
+import math
+import os
 from pathlib import Path
 
 import pytest
 
+from vllm_dsv4_backend.bench import median_ci
 
-def test_alternating_rounds_and_paired_ratios(tmp_path: Path, monkeypatch) -> None:
-    pytest.importorskip("yaml")
-    from vllm_dsv4_backend import run as R
-    from vllm_dsv4_backend.bench import e2e_layers as E
 
-    order: list[str] = []
+def _fake_servers(tmp_path: Path, monkeypatch, R, E):
     servers = []
-    cpu = {"plugin": 0.0, "vllm": 0.0}
 
     class FakeProc:
         def __init__(self, pid: int) -> None:
@@ -44,37 +46,142 @@ def test_alternating_rounds_and_paired_ratios(tmp_path: Path, monkeypatch) -> No
         servers.append(s)
         return s
 
-    def run_logged(cmd, log_path, env, what):
-        impl = cmd[cmd.index("--base-url") + 1].rsplit("-", 1)[1]
-        rnd = sum(1 for p in order if p == impl)
-        order.append(impl)
-        # plugin: TTFT 10 in round 0, 30 in round 1; vLLM 20 both: pairs 2.0, 0.667.
-        ttft = {"plugin": (10.0, 30.0), "vllm": (20.0, 20.0)}[impl][rnd]
-        cpu[impl] += {"plugin": 1.0, "vllm": 2.0}[impl]
-        out = Path(cmd[cmd.index("--result-dir") + 1]) / cmd[cmd.index("--result-filename") + 1]
-        out.write_text(json.dumps({"mean_ttft_ms": ttft, "mean_tpot_ms": 1.0,
-                                   "output_throughput": 100.0, "total_output_tokens": 100,
-                                   "completed": 4, "failed": 0}))
-
     monkeypatch.setattr(R, "make_server", make_server)
-    monkeypatch.setattr(R, "run_logged", run_logged)
-    monkeypatch.setattr(E, "session_cpu_s", lambda sid: cpu["plugin" if sid == 100 else "vllm"])
-    res = E.run(rounds=2, scenarios={"c1": ["max-concurrency=1"]}, out_dir=tmp_path,
-                progress=None)
-    assert order == ["plugin", "vllm", "vllm", "plugin"]
+    return servers
+
+
+def test_alternating_rounds_warmup_and_paired_ratios(tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("yaml")
+    pytest.importorskip("tokenizers")
+    from vllm_dsv4_backend import run as R
+    from vllm_dsv4_backend.bench import e2e_layers as E
+
+    servers = _fake_servers(tmp_path, monkeypatch, R, E)
+    calls: list[tuple[str, list[list[int]]]] = []
+    # TTFT per recorded round: plugin 10, 30, 10, 10; vLLM 20 throughout -> pairs
+    # 2, 2/3, 2, 2. Warm-up rounds return a huge TTFT that must not show.
+    plugin_ttft = [10.0, 30.0, 10.0, 10.0]
+
+    def measure_block(url, model, prompts, tokens, sid):
+        impl = url.rsplit("-", 1)[1]
+        calls.append((impl, prompts))
+        n = sum(1 for c in calls if c[0] == impl) - 1 - 2  # this round, after 2 warm-ups
+        ttft = 1e6 if n < 0 else plugin_ttft[n] if impl == "plugin" else 20.0
+        return {"mean_ttft_ms": ttft, "mean_tpot_ms": 1.0, "output_throughput": 100.0,
+                "cpu_ms_per_token": {"plugin": 10.0, "vllm": 20.0}[impl],
+                "output_tokens": 3 * len(prompts), "wall_s": 0.1}
+
+    monkeypatch.setattr(E, "measure_block", measure_block)
+    sc = E.Scenario(concurrency=3, prompt_len=5, output_len=3)
+    res = E.run(rounds=4, warmup=2, scenarios={"t": sc}, out_dir=tmp_path, progress=None)
+    order = [c[0] for c in calls]
+    # rounds -2..3: even rounds plugin first, odd rounds vLLM first
+    assert order == ["plugin", "vllm", "vllm", "plugin"] * 3
     assert all(s.stopped for s in servers) and len(servers) == 2
-    ttft = res["summary"]["c1"]["mean_ttft_ms"]
-    assert ttft["ratio_median"] == pytest.approx((2.0 + 2 / 3) / 2)
+    prompts = [c[1] for c in calls]
+    for a, b in zip(prompts[::2], prompts[1::2]):
+        assert a == b  # both layers get the round's prompts
+    assert len({json.dumps(p) for p in prompts}) == 6  # a new block every round
+    assert all(len(p) == 3 and all(len(x) == 5 for x in p) for p in prompts)
+    ttft = res["summary"]["t"]["mean_ttft_ms"]
+    assert ttft["pairs"] == 4 and ttft["ratio_median"] == pytest.approx(2.0)
     assert ttft["ratio_min"] == pytest.approx(2 / 3) and ttft["ratio_max"] == pytest.approx(2.0)
-    # 1 s vs 2 s of server CPU for 100 tokens: 10 vs 20 ms per token, ratio 2.
-    cpu_row = res["summary"]["c1"]["cpu_ms_per_token"]
-    assert cpu_row["plugin"] == pytest.approx(10.0) and cpu_row["ratio_median"] == 2.0
-    assert "cpu_ms_per_token" in E.format_result(res)
+    assert (ttft["ratio_ci95_lo"], ttft["ratio_ci95_hi"]) == pytest.approx((2 / 3, 2.0))
+    assert ttft["plugin"] == pytest.approx(10.0) and ttft["verdict"] == "tie"
+    cpu_row = res["summary"]["t"]["cpu_ms_per_token"]
+    assert cpu_row["ratio_median"] == 2.0 and cpu_row["verdict"] == "plugin"
+    text = E.format_result(res)
+    assert "cpu_ms_per_token" in text and "plugin" in text.splitlines()[-1]
+    assert json.loads((tmp_path / "runs.json").read_text())[0]["round"] == -2
+
+
+def test_median_ci_and_verdict() -> None:
+    from vllm_dsv4_backend.bench.e2e_layers import verdict
+
+    xs = [float(i) for i in range(1, 101)]
+    # n=100: order statistics 40 and 61 (1-based), the textbook 95% interval
+    assert median_ci(xs) == (40.0, 61.0)
+    assert median_ci([3.0]) == (3.0, 3.0)
+    # [x_(j), x_(k)] holds the median with probability P(j <= Bin(n, 1/2) < k), exactly;
+    # at least 95% for every n (it is min..max below n = 6, where 95% is unreachable).
+    for n in range(1, 400):
+        lo, hi = median_ci([float(i) for i in range(1, n + 1)])
+        j, k = int(lo), int(hi)
+        cover = sum(math.comb(n, i) for i in range(j, k)) / 2**n
+        assert cover >= 0.95 or (j, k) == (1, n), (n, j, k, cover)
+    assert verdict(1.01, 1.2) == "plugin" and verdict(0.8, 0.99) == "vllm"
+    assert verdict(0.99, 1.01) == "tie" and verdict(1.0, 1.1) == "tie"
+    assert verdict(None, None) == "n/a"
+
+
+def _sse_app(chunks, status=200):
+    from aiohttp import web
+
+    async def handler(request):
+        body = await request.json()
+        assert body["stream"] and body["stream_options"] == {"include_usage": True}
+        if status != 200:
+            return web.Response(status=status, text="boom")
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for delay, payload in chunks:
+            await asyncio.sleep(delay)
+            await resp.write(b"data: " + payload + b"\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    return app
+
+
+def _stream(chunks, status=200):
+    from aiohttp import web
+
+    from vllm_dsv4_backend.bench.e2e_layers import stream_completion
+
+    async def main():
+        import aiohttp
+
+        runner = web.AppRunner(_sse_app(chunks, status))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with aiohttp.ClientSession() as s:
+                return await stream_completion(s, f"http://127.0.0.1:{port}", "m", [1, 2], 3)
+        finally:
+            await runner.cleanup()
+
+    return asyncio.run(main())
+
+
+def _tok(text: str) -> bytes:
+    return json.dumps({"choices": [{"text": text}], "usage": None}).encode()
+
+
+def test_stream_completion_ttft_tpot() -> None:
+    pytest.importorskip("aiohttp")
+    usage = json.dumps({"choices": [], "usage": {"completion_tokens": 3}}).encode()
+    r = _stream([(0.20, _tok("a")), (0.10, _tok("b")), (0.10, _tok("c")), (0, usage),
+                 (0, b"[DONE]")])
+    assert r["tokens"] == 3
+    assert 0.19 <= r["ttft_s"] < 0.5
+    # (last - first) / (tokens - 1): two 0.1 s gaps
+    assert 0.09 <= r["tpot_s"] < 0.2
+
+
+def test_stream_completion_errors() -> None:
+    pytest.importorskip("aiohttp")
+    from vllm_dsv4_backend.bench.e2e import E2EError
+
+    with pytest.raises(E2EError, match="HTTP 500: boom"):
+        _stream([], status=500)
+    with pytest.raises(E2EError, match="without a generated token"):
+        _stream([(0, b"[DONE]")])
 
 
 def test_session_cpu_counts_this_session() -> None:
-    import os
-
     from vllm_dsv4_backend.bench.e2e_layers import session_cpu_s
 
     assert session_cpu_s(os.getsid(0)) > 0

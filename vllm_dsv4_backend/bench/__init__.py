@@ -8,8 +8,23 @@ vLLM's own."""
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+
+def median_ci(xs: Sequence[float]) -> tuple[float, float]:
+    """Distribution-free 95% confidence interval of the median of ``xs`` (non-empty): the
+    order statistics ``x_(j)``, ``x_(k)`` (1-based) with ``j = floor(n/2 - 0.98 sqrt(n))``
+    and ``k = ceil(1 + n/2 + 0.98 sqrt(n))`` (binomial, normal approximation), clamped to
+    ``x_(1)`` and ``x_(n)``."""
+    s = sorted(xs)
+    n = len(s)
+    half = 0.98 * n**0.5
+    j = max(1, math.floor(n / 2 - half))
+    k = min(n, math.ceil(1 + n / 2 + half))
+    return s[j - 1], s[k - 1]
 
 
 def finish(result: dict[str, Any], json_path: str | None, text: str) -> int:

@@ -3,49 +3,76 @@
 """End to end: the plugin's layer vs vLLM's own layer, served side by side.
 
 Two ``vllm serve`` of the tiny model (``configs/serve/tiny-dsv4-cpu.yaml``), one
-with ``VLLM_DSV4_ATTN_IMPL=plugin`` and one with ``vllm``, both up at once. For
-each scenario, many short ``vllm bench serve`` rounds alternate between them
-(plugin first in even rounds, vLLM first in odd ones; the other server idles),
-so a change in machine load hits both alike. Besides TTFT, TPOT and output
-throughput (wall time), each round records the **CPU time of the server's
+with ``VLLM_DSV4_ATTN_IMPL=plugin`` and one with ``vllm``, both up at once. A
+**round** sends one block of streamed ``/v1/completions`` requests (greedy,
+``ignore_eos``, prompts as token ids so lengths are exact) to one server, waits
+for all of them, then the same block to the other (plugin first in even rounds,
+vLLM first in odd ones; the other server idles). Every round draws new prompts,
+so no round hits the prefix cache of an earlier one, and both servers see the
+same ones. A few unrecorded warm-up rounds per scenario come first (a new
+shape's first pass pays oneDNN primitive creation: 4x the TTFT of later rounds).
+
+Why rounds of a second or two, with an in-process client, rather than
+``vllm bench serve`` runs: on a shared 2-core box the speed of the same server
+drifts by 2x over tens of seconds, and each ``vllm bench serve`` spends ~10 s of
+CPU importing vLLM before it sends anything. Pairing blocks a second apart
+cancels the drift; the median of many pairs and its confidence interval say
+whether what is left can tell the layers apart.
+
+Per block and server it records the mean TTFT and TPOT of the requests (TPOT =
+(last token - first token) / (tokens - 1), as ``vllm bench serve`` computes it),
+output throughput (tokens / block wall time) and the **CPU time of the server's
 process tree** (API server, engine core, workers: ``/proc/<pid>/stat`` utime +
-stime of every process in the server's session) per generated token, which
-other load on the machine disturbs much less than wall time.
+stime of every process in the server's session) per generated token.
 
-Scenarios (``SCENARIOS``; ``vllm bench serve`` flags over the bench config):
-``c1`` (concurrency 1, 2-token prompts, 64 output tokens), ``c8``
-(concurrency 8, 16 prompts), ``long`` (1500-token prompts, 16 output tokens,
-concurrency 2). Ratios are vLLM / plugin for times (>= 1: plugin at least as
-fast) and plugin / vLLM for throughput, the median of the per-round pairs with
-their min..max.
+Scenarios (``SCENARIOS``): ``c1`` (concurrency 1, 16-token prompts, 64 output
+tokens), ``c8`` (8 concurrent requests, 32 output tokens), ``long`` (1500-token
+prompts, 2 concurrent, 16 output tokens). Ratios are vLLM / plugin for times
+(>= 1: plugin at least as fast) and plugin / vLLM for throughput: the median of
+the per-round pairs, its distribution-free 95% confidence interval and min..max.
+A row's verdict is ``plugin`` or ``vllm`` only when the interval excludes 1.
 
-``python -m vllm_dsv4_backend.bench.e2e_layers [--rounds 6] [--json out.json]``.
+``python -m vllm_dsv4_backend.bench.e2e_layers [--rounds 30] [--json out.json]``.
 vLLM runs only in subprocesses.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
+import random
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from vllm_dsv4_backend.bench import finish
-from vllm_dsv4_backend.bench.e2e import BENCH_CONFIG, REPO, SERVE_CONFIG, E2EError
+from vllm_dsv4_backend.bench import finish, median_ci
+from vllm_dsv4_backend.bench.e2e import REPO, SERVE_CONFIG, E2EError
 
-SCHEMA = "vllm-dsv4-e2e-layers/1"
+SCHEMA = "vllm-dsv4-e2e-layers/2"
 IMPLS = ("plugin", "vllm")
-SCENARIOS: dict[str, list[str]] = {
-    "c1": ["num-prompts=4", "max-concurrency=1", "random-output-len=64"],
-    "c8": ["num-prompts=16", "max-concurrency=8", "random-output-len=32"],
-    "long": ["num-prompts=4", "max-concurrency=2", "random-input-len=1500",
-             "random-output-len=16"],
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One block of a round: ``concurrency`` requests of ``prompt_len`` prompt tokens and
+    ``output_len`` generated tokens, sent at once."""
+
+    concurrency: int
+    prompt_len: int
+    output_len: int
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "c1": Scenario(concurrency=1, prompt_len=16, output_len=64),
+    "c8": Scenario(concurrency=8, prompt_len=16, output_len=32),
+    "long": Scenario(concurrency=2, prompt_len=1500, output_len=16),
 }
 # metric -> True if lower is better (the ratio is vLLM / plugin), False for
 # throughput (plugin / vLLM); either way >= 1 means the plugin is at least as good.
@@ -73,10 +100,85 @@ def session_cpu_s(sid: int) -> float:
     return total / _CLK
 
 
+def ordinary_token_ids(model_dir: Path) -> list[int]:
+    """The model's token ids that are neither added nor special tokens (prompts made of
+    them decode and re-encode like text)."""
+    from tokenizers import Tokenizer
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    special = set(tok.get_added_tokens_decoder())
+    vocab = min(tok.get_vocab_size(with_added_tokens=True), int(cfg["vocab_size"]))
+    return [i for i in range(vocab) if i not in special]
+
+
+async def stream_completion(session: Any, url: str, model: str, prompt: list[int],
+                            tokens: int) -> dict[str, float | int]:
+    """One streamed greedy completion: ``ttft_s``, ``tpot_s`` (None for one token),
+    ``tokens`` (the server's ``completion_tokens``). Raises :class:`E2EError` on an HTTP
+    error or a stream that ends without a token."""
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = last = None
+    n = 0
+    async with session.post(f"{url}/v1/completions", json=body) as r:
+        if r.status != 200:
+            raise E2EError(f"{url}: HTTP {r.status}: {(await r.text())[:300]}")
+        async for raw in r.content:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                continue
+            msg = json.loads(line[5:])
+            if msg.get("choices"):
+                last = time.perf_counter()
+                if first is None:
+                    first = last
+            if msg.get("usage"):
+                n = int(msg["usage"]["completion_tokens"])
+    if first is None or last is None or n < 1:
+        raise E2EError(f"{url}: the stream ended without a generated token")
+    return {"ttft_s": first - t0, "tpot_s": (last - first) / (n - 1) if n > 1 else None,
+            "tokens": n}
+
+
+async def _block(url: str, model: str, prompts: Sequence[list[int]], tokens: int
+                 ) -> list[dict[str, Any]]:
+    import aiohttp
+
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+            return list(await asyncio.gather(
+                *(stream_completion(session, url, model, p, tokens) for p in prompts)))
+    except (TimeoutError, aiohttp.ClientError) as e:
+        raise E2EError(f"{url}: {e!r} (the server's log is in the run directory)") from e
+
+
+def measure_block(url: str, model: str, prompts: Sequence[list[int]], tokens: int,
+                  sid: int) -> dict[str, float | None]:
+    """Send ``prompts`` at once to ``url``; the block's metrics (``METRICS`` keys)."""
+    cpu0, t0 = session_cpu_s(sid), time.perf_counter()
+    reqs = asyncio.run(_block(url, model, prompts, tokens))
+    wall, cpu = time.perf_counter() - t0, session_cpu_s(sid) - cpu0
+    n = sum(int(r["tokens"]) for r in reqs)
+    tpots = [r["tpot_s"] for r in reqs if r["tpot_s"] is not None]
+    return {"mean_ttft_ms": 1e3 * statistics.mean(r["ttft_s"] for r in reqs),
+            "mean_tpot_ms": 1e3 * statistics.mean(tpots) if tpots else None,
+            "output_throughput": n / wall, "cpu_ms_per_token": 1e3 * cpu / n,
+            "output_tokens": n, "wall_s": wall}
+
+
 def _ratio(plugin: float | None, vllm: float | None, lower_is_better: bool) -> float | None:
     if not plugin or not vllm:
         return None
     return vllm / plugin if lower_is_better else plugin / vllm
+
+
+def verdict(lo: float | None, hi: float | None) -> str:
+    """``plugin`` / ``vllm`` when the ratio's interval excludes 1 that way, else ``tie``."""
+    if lo is None or hi is None:
+        return "n/a"
+    return "plugin" if lo > 1.0 else "vllm" if hi < 1.0 else "tie"
 
 
 @contextlib.contextmanager
@@ -104,19 +206,43 @@ def served_layers(serve: Any, out: Path, scratch: Path, health_timeout: float,
             server.stop()
 
 
-def run(*, rounds: int = 6, scenarios: Mapping[str, Sequence[str]] = SCENARIOS,
+def summarize(runs: Sequence[Mapping[str, Any]], name: str, rounds: int
+              ) -> dict[str, dict[str, Any]]:
+    """Per metric: both layers' medians and the per-round ratios' median, 95% CI of the
+    median, min, max and verdict (warm-up rounds, ``round < 0``, left out)."""
+    rows = {}
+    for m, lower in METRICS.items():
+        med = {impl: _median([x["metrics"][m] for x in runs if x["scenario"] == name
+                              and x["impl"] == impl and x["round"] >= 0]) for impl in IMPLS}
+        pairs = [p for p in (
+            _ratio(_one(runs, name, "plugin", r, m), _one(runs, name, "vllm", r, m), lower)
+            for r in range(rounds)) if p is not None]
+        lo, hi = median_ci(pairs) if pairs else (None, None)
+        rows[m] = {"plugin": med["plugin"], "vllm": med["vllm"], "pairs": len(pairs),
+                   "ratio_median": _median(pairs), "ratio_ci95_lo": lo, "ratio_ci95_hi": hi,
+                   "ratio_min": min(pairs) if pairs else None,
+                   "ratio_max": max(pairs) if pairs else None, "verdict": verdict(lo, hi)}
+    return rows
+
+
+def run(*, rounds: int = 30, warmup: int = 2, scenarios: Mapping[str, Scenario] = SCENARIOS,
         out_dir: str | os.PathLike[str] | None = None, health_timeout: float = 1200.0,
-        progress: TextIO | None = sys.stderr) -> dict[str, Any]:
-    """Serve both layers, run ``rounds`` alternating rounds per scenario; returns the result."""
+        seed: int = 0, progress: TextIO | None = sys.stderr) -> dict[str, Any]:
+    """Serve both layers, run ``warmup`` + ``rounds`` alternating rounds per scenario;
+    returns the result."""
     from vllm_dsv4_backend import run as R
 
-    if rounds < 1:
-        raise ValueError(f"rounds: expected a positive int, got {rounds!r}")
+    if rounds < 1 or warmup < 0:
+        raise ValueError(f"rounds >= 1 and warmup >= 0 expected, got {rounds!r}, {warmup!r}")
     serve = R.load_serve_config(SERVE_CONFIG)
+    if serve.model_path is None:
+        raise ValueError(f"{SERVE_CONFIG}: the model must be a local directory")
     scratch = Path(os.environ.get("DSV4_SCRATCH", REPO / ".scratch"))
     out = Path(out_dir) if out_dir else scratch / "runs" / (
         time.strftime("%Y%m%d-%H%M%S") + "-e2e-layers")
     out.mkdir(parents=True, exist_ok=True)
+    ids = ordinary_token_ids(serve.model_path)
+    rng = random.Random(seed)
 
     def say(msg: str) -> None:
         if progress is not None:
@@ -127,52 +253,28 @@ def run(*, rounds: int = 6, scenarios: Mapping[str, Sequence[str]] = SCENARIOS,
     runs: list[dict[str, Any]] = []
     try:
         with served_layers(serve, out, scratch, health_timeout, say, progress) as (servers,
-                                                                                   envs):
-            for name, overrides in scenarios.items():
-                bench = R.load_bench_config(BENCH_CONFIG)
-                R.apply_overrides(bench.args, list(overrides))
-                for r in range(rounds):
+                                                                                   _):
+            for name, sc in scenarios.items():
+                say(f"{name}: {warmup} warm-up + {rounds} rounds of {sc.concurrency} x "
+                    f"({sc.prompt_len} prompt + {sc.output_len} output tokens) per layer")
+                for r in range(-warmup, rounds):
+                    prompts = [[rng.choice(ids) for _ in range(sc.prompt_len)]
+                               for _ in range(sc.concurrency)]
                     for impl in (IMPLS if r % 2 == 0 else IMPLS[::-1]):
-                        tag = f"{name}-{impl}-r{r}"
-                        cmd = R.build_bench_command(
-                            bench, base_url=servers[impl].base_url,
-                            model_name=serve.served_model_name, tokenizer=serve.tokenizer,
-                            tokenizer_mode=serve.tokenizer_mode, result_dir=out,
-                            result_filename=f"{tag}.json", overrides=list(overrides),
-                        )
-                        say(f"{name} round {r + 1}/{rounds}: {impl}")
-                        sid = servers[impl].proc.pid
-                        cpu0 = session_cpu_s(sid)
-                        R.run_logged(cmd, out / f"{tag}.log", envs[impl], "vllm bench serve")
-                        cpu = session_cpu_s(sid) - cpu0
-                        raw = json.loads((out / f"{tag}.json").read_text())
-                        tokens = raw.get("total_output_tokens") or 0
-                        metrics = {m: raw.get(m) for m in METRICS if m != "cpu_ms_per_token"}
-                        metrics["cpu_ms_per_token"] = 1e3 * cpu / tokens if tokens else None
+                        metrics = measure_block(servers[impl].base_url,
+                                                serve.served_model_name, prompts,
+                                                sc.output_len, servers[impl].proc.pid)
                         runs.append({"scenario": name, "impl": impl, "round": r,
-                                     "completed": raw.get("completed"), "failed": raw.get("failed"),
-                                     "cpu_s": cpu, "output_tokens": tokens, "metrics": metrics})
+                                     "metrics": metrics})
+                    if r >= 0 and (r + 1) % 10 == 0:
+                        say(f"{name}: {r + 1}/{rounds} rounds")
     except (R.RunError, R.ConfigError) as e:
         raise E2EError(str(e)) from e
-
-    summary: dict[str, Any] = {}
-    for name in scenarios:
-        rows = {}
-        for m, lower in METRICS.items():
-            med = {impl: _median([x["metrics"][m] for x in runs
-                                  if x["scenario"] == name and x["impl"] == impl])
-                   for impl in IMPLS}
-            pairs = [p for p in (
-                _ratio(_one(runs, name, "plugin", r, m), _one(runs, name, "vllm", r, m), lower)
-                for r in range(rounds)) if p is not None]
-            rows[m] = {"plugin": med["plugin"], "vllm": med["vllm"],
-                       "ratio_median": _median(pairs),
-                       "ratio_min": min(pairs) if pairs else None,
-                       "ratio_max": max(pairs) if pairs else None}
-        summary[name] = rows
-    return {"schema": SCHEMA, "rounds": rounds, "scenarios": {k: list(v) for k, v in
-                                                              scenarios.items()},
-            "summary": summary, "runs": runs, "wall_s": time.monotonic() - t0,
+    (out / "runs.json").write_text(json.dumps(runs))
+    return {"schema": SCHEMA, "rounds": rounds, "warmup": warmup, "seed": seed,
+            "scenarios": {k: asdict(v) for k, v in scenarios.items()},
+            "summary": {name: summarize(runs, name, rounds) for name in scenarios},
+            "runs": runs, "out_dir": str(out), "wall_s": time.monotonic() - t0,
             "load_avg_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
 
 
@@ -187,29 +289,41 @@ def _one(runs: Sequence[Mapping[str, Any]], name: str, impl: str, r: int, m: str
 
 
 def format_result(res: Mapping[str, Any]) -> str:
-    lines = [(f"plugin layer vs vLLM layer, {res['rounds']} alternating rounds per scenario; "
-             "ratio >= 1: plugin at least as good (median of per-round pairs, min..max)"),
-             f"{'scenario':<9}{'metric':<20}{'plugin':>10}{'vllm':>10}{'ratio':>8}  spread"]
+    lines = [(f"plugin layer vs vLLM layer, {res['rounds']} alternating rounds per scenario "
+              f"(after {res['warmup']} warm-up); ratio >= 1: plugin at least as good (median "
+              "of per-round pairs, its 95% CI, min..max; verdict names a layer only when the "
+              "CI excludes 1)"),
+             (f"{'scenario':<9}{'metric':<19}{'plugin':>9}{'vllm':>9}{'ratio':>7}"
+              f"{'median CI':>15}{'min..max':>13}  verdict")]
+
+    def f(v: Any, w: int = 3) -> str:
+        return "n/a" if v is None else f"{v:.{w}f}"
+
     for name, rows in res["summary"].items():
         for m, row in rows.items():
-            def f(v: Any) -> str:
-                return "n/a" if v is None else f"{v:.3f}"
-            lines.append(f"{name:<9}{m:<20}{f(row['plugin']):>10}{f(row['vllm']):>10}"
-                         f"{f(row['ratio_median']):>8}  {f(row['ratio_min'])}.."
-                         f"{f(row['ratio_max'])}")
+            lines.append(f"{name:<9}{m:<19}{f(row['plugin'], 2):>9}{f(row['vllm'], 2):>9}"
+                         f"{f(row['ratio_median']):>7}"
+                         f"{f(row['ratio_ci95_lo']):>8}..{f(row['ratio_ci95_hi']):<5}"
+                         f"{f(row['ratio_min'], 2):>7}..{f(row['ratio_max'], 2):<5}"
+                         f"  {row['verdict']}")
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=6, help="rounds per scenario (default 6)")
+    p.add_argument("--rounds", type=int, default=30, help="rounds per scenario (default 30)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="unrecorded rounds per scenario first (default 2)")
     p.add_argument("--scenario", action="append", choices=sorted(SCENARIOS),
                    help="run only these scenarios (repeatable; default all)")
+    p.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
     p.add_argument("--json", help="write the result here")
     args = p.parse_args(argv)
+    if args.rounds < 1 or args.warmup < 0:
+        p.error("--rounds must be positive and --warmup non-negative")
     chosen = {k: SCENARIOS[k] for k in (args.scenario or SCENARIOS)}
     try:
-        res = run(rounds=args.rounds, scenarios=chosen)
+        res = run(rounds=args.rounds, warmup=args.warmup, scenarios=chosen, seed=args.seed)
     except (E2EError, ValueError) as e:
         print(f"e2e-layers failed: {e}", file=sys.stderr)
         return 3

@@ -42,7 +42,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_dsv4_backend.bench import finish
+from vllm_dsv4_backend.bench import finish, median_ci
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "configs" / "tiny-dsv4"
@@ -69,17 +69,6 @@ def flash_shaped_model(out_dir: Path) -> Path:
 def _pct(xs: Sequence[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
-
-
-def _median_ci(xs: Sequence[float]) -> tuple[float, float]:
-    """Distribution-free 95% confidence interval of the median: the order
-    statistics ``n/2 -+ 0.98 sqrt(n)`` (binomial, normal approximation)."""
-    s = sorted(xs)
-    n = len(s)
-    half = 0.98 * n**0.5
-    lo = max(0, int(n / 2 - half))
-    hi = min(n - 1, int(-(-(n / 2 + half) // 1)) - 1)
-    return s[lo], s[max(lo, hi)]
 
 
 def _cpu_allocations(fn: Any) -> tuple[int, int]:
@@ -202,7 +191,7 @@ class _Recorder:
 def _row(case: str, kind: str, tokens: int, plugin_ms: list[float], vllm_ms: list[float],
          identical: int | None, allocs: dict[str, Any]) -> dict[str, Any]:
     ratios = [v / p for p, v in zip(plugin_ms, vllm_ms)]
-    ci_lo, ci_hi = _median_ci(ratios)
+    ci_lo, ci_hi = median_ci(ratios)
     return {
         "case": case, "layer_kind": kind, "tokens": tokens, "pairs": len(ratios),
         "identical": identical,

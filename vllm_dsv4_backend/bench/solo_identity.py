@@ -43,7 +43,7 @@ from typing import Any, TextIO
 
 from vllm_dsv4_backend.bench import finish
 from vllm_dsv4_backend.bench.e2e import REPO, SERVE_CONFIG
-from vllm_dsv4_backend.bench.e2e_layers import IMPLS, served_layers
+from vllm_dsv4_backend.bench.e2e_layers import IMPLS, ordinary_token_ids, served_layers
 
 SCHEMA = "vllm-dsv4-solo-identity/1"
 TOP_N = 20
@@ -51,13 +51,7 @@ TOP_N = 20
 
 def make_prompts(model_dir: Path, n: int, seed: int = 0, max_words: int = 250) -> list[list[int]]:
     """``n`` prompts of 1..``max_words`` ordinary tokens (no added/special ones)."""
-    from tokenizers import Tokenizer
-
-    cfg = json.loads((model_dir / "config.json").read_text())
-    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    special = set(tok.get_added_tokens_decoder())
-    vocab = min(tok.get_vocab_size(with_added_tokens=True), int(cfg["vocab_size"]))
-    ids = [i for i in range(vocab) if i not in special]
+    ids = ordinary_token_ids(model_dir)
     rng = random.Random(seed)
     lengths = [1, max_words] + [rng.randint(1, max_words) for _ in range(max(0, n - 2))]
     return [[rng.choice(ids) for _ in range(k)] for k in lengths[:n]]

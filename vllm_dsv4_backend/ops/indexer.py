@@ -30,6 +30,7 @@ import torch
 from vllm_dsv4_backend.formats import indexer_cache as ic
 from vllm_dsv4_backend.formats import mxfp4
 from vllm_dsv4_backend.ops import rope
+from vllm_dsv4_backend.ops.blas import gemm_one_thread, lone_gemm
 
 __all__ = [
     "DEFAULT_CHUNK_ELEMS",
@@ -395,6 +396,9 @@ def indexer_logits(
             else:
                 pages = block_table.index_select(0, token_to_req[t0:t1].long())
         qf = _dequant_q(q[t0:t1], None if q_scale is None else q_scale[t0:t1], dtype)
+        # The shared-row mm is one GEMM whatever the chunk, and a bmm of fewer tokens than
+        # threads is split too: on one thread either rounds as the tokens' bmm in a batch.
+        one = dev.type == "cpu" and (shared_row is not None or lone_gemm(t1 - t0, dev))
         w = weights[t0:t1].unsqueeze(1)
         end = width
         if host_lens is not None:
@@ -415,7 +419,8 @@ def indexer_logits(
                 page.masked_fill_(~mapped, 0)
                 vals, scs = ic.gather_raw(values_v, scales_v, page, j % bs)
                 kf, k_scale = _dequant_k(vals, scs, dtype)  # [n, 128], [n] | None
-                s = torch.mm(qf.flatten(0, 1), kf.t()).unflatten(0, (t1 - t0, h))
+                with gemm_one_thread(one):
+                    s = torch.mm(qf.flatten(0, 1), kf.t()).unflatten(0, (t1 - t0, h))
                 valid = causal & mapped.unsqueeze(0)
             else:
                 page = pages.index_select(1, page_col).long()
@@ -423,8 +428,10 @@ def indexer_logits(
                 page.masked_fill_(~valid, 0)
                 vals, scs = ic.gather_raw(values_v, scales_v, page, (j % bs).expand_as(page))
                 kf, k_scale = _dequant_k(vals, scs, dtype)  # [tc, n, 128], [tc, n] | None
-                s = torch.bmm(qf, kf.transpose(1, 2))  # [tc, H, n]
-            lg = torch.bmm(w, s.relu_()).squeeze(1)  # [tc, n]
+                with gemm_one_thread(one):
+                    s = torch.bmm(qf, kf.transpose(1, 2))  # [tc, H, n]
+            with gemm_one_thread(one):
+                lg = torch.bmm(w, s.relu_()).squeeze(1)  # [tc, n]
             if k_scale is not None:
                 # relu(q.(k*s)) = s*relu(q.k) for the positive power-of-two FP8 scale:
                 # the same numbers, one multiply per entry instead of per value.

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from vllm_dsv4_backend.formats import fp8_ds_mla
+from vllm_dsv4_backend.ops.blas import gemm_one_thread, lone_gemm
 from vllm_dsv4_backend.ops.checks import DecodeDims, PrefillDims
 
 __all__ = [
@@ -105,14 +106,14 @@ def _group_cols(widths: tuple[int, ...]) -> int:
 # scratch planning
 # --------------------------------------------------------------------------------------------
 def _decode_entry_bytes(h: int) -> int:
-    # Per (row, index) entry: K fp32 row, S column, two bool masks, three int64 ids, gathered
-    # 576 data + 8 scale bytes, seven int32 scale words.
-    return 4 * D + 4 * h + 2 + 24 + fp8_ds_mla.DATA_BYTES_PER_TOKEN + 8 + 28
+    # Per (row, index) entry: K fp32 row, S and P columns, two bool masks, three int64 ids,
+    # gathered 576 data + 8 scale bytes, seven int32 scale words.
+    return 4 * D + 8 * h + 2 + 24 + fp8_ds_mla.DATA_BYTES_PER_TOKEN + 8 + 28
 
 
 def _prefill_entry_bytes(h: int) -> int:
-    # K fp32 row, S column, 2 bool masks, one int64 id, gathered bf16 row.
-    return 4 * D + 4 * h + 2 + 8 + 2 * D
+    # K fp32 row, S and P columns, 2 bool masks, one int64 id, gathered bf16 row.
+    return 4 * D + 8 * h + 2 + 8 + 2 * D
 
 
 def _row_bytes(h: int) -> int:
@@ -259,6 +260,7 @@ class _Softmax:
         self.tmp = arena.take(rows * h, torch.float32)
         self.sums = arena.take(GROUP_SEGMENTS * rows * h, torch.float32)
         self.s = arena.take(rows * h * cols, torch.float32)
+        self.p = arena.take(rows * h * cols, torch.float32)
         self.k = arena.take(rows * cols * D, torch.float32)
         self.inv = arena.take(rows * cols, torch.bool)
         self.h = h
@@ -269,6 +271,7 @@ class _Softmax:
     def begin(self, r: int) -> None:
         self.r = r
         self.first = True
+        self.one_thread = lone_gemm(r, self.acc.device)
         views = self._rows.get(r)
         if views is None:
             if len(self._rows) >= _VIEW_SETS:  # bounded: prefill chunk sizes vary
@@ -307,11 +310,14 @@ class _Softmax:
             # Transposed scores S^T, segment-major: each segment's [r, 128, h] block is
             # contiguous, as a one-segment group's is, so every bmm / sum of update() has
             # one shape and layout (M = 128 entries, N = h, K = 512; then M = h, N = 512,
-            # K = 128).
+            # K = 128). The probabilities P get their own contiguous [r, h, 128] blocks: with
+            # a transposed P operand MKL's AVX2 kernels round a one-matrix bmm (r = 1, more
+            # threads than matrices) differently from the same matrix inside a larger batch.
             s = self.s[: nseg * r * SEGMENT * h].view(nseg, r, SEGMENT, h)
+            p = self.p[: nseg * r * h * SEGMENT].view(nseg, r, h, SEGMENT)
             sums = self.sums[: nseg * r * h].view(nseg, r, h)
             views = self._groups[(r, nseg)] = (
-                s, s.unbind(0), s.transpose(2, 3).unbind(0),  # S^T, and P [r, h, 128]
+                s, s.unbind(0), p, p.transpose(2, 3), p.unbind(0),
                 tuple(self.k_v[:, j * SEGMENT : (j + 1) * SEGMENT] for j in range(nseg)),
                 self.inv_v[:, : nseg * SEGMENT].view(r, nseg, SEGMENT, 1).transpose(0, 1),
                 sums, sums.unbind(0), self.msafe_v.view(1, r, 1, h), self.alpha_v.unsqueeze(-1),
@@ -324,7 +330,12 @@ class _Softmax:
         K rows of invalid entries must be finite (any named slot's values, or zeros): their
         scores are set to -inf, so they get weight exactly 0.
         """
-        s, s_list, p_list, ks, mask, sums, sum_list, msafe4, alpha3 = self._group_views(nseg)
+        with gemm_one_thread(self.one_thread):  # see ops/blas.py
+            self._update(nseg, any_invalid)
+
+    def _update(self, nseg: int, any_invalid: bool) -> None:
+        (s, s_list, p, p_t, p_list, ks, mask, sums, sum_list, msafe4,
+         alpha3) = self._group_views(nseg)
         for k_j, s_j in zip(ks, s_list):
             torch.bmm(k_j, self.qt_v, out=s_j)
         if any_invalid:
@@ -341,11 +352,12 @@ class _Softmax:
             torch.maximum(mn, self.m_v, out=mn)
         # A row with no valid index so far keeps max -inf; exponentiate against 0 instead.
         torch.nan_to_num(mn, nan=0.0, neginf=0.0, out=msafe)
-        s.sub_(msafe4).exp_()
+        torch.sub(s, msafe4, out=p_t)
+        p.exp_()
         if self.first and nseg == 1:
-            torch.sum(s_list[0], 1, out=l_v)
+            torch.sum(p_list[0], 2, out=l_v)
         else:
-            torch.sum(s, 2, out=sums)
+            torch.sum(p, 3, out=sums)
         if self.first:
             if nseg > 1:
                 l_v.copy_(sum_list[0])
