@@ -62,8 +62,14 @@ def test_alternating_rounds_warmup_and_paired_ratios(tmp_path: Path, monkeypatch
     # 2, 2/3, 2, 2. Warm-up rounds return a huge TTFT that must not show.
     plugin_ttft = [10.0, 30.0, 10.0, 10.0]
 
+    wakes: list[str] = []
+
     def measure_block(url, model, prompts, tokens, sid):
         impl = url.rsplit("-", 1)[1]
+        if tokens == 1:  # the unrecorded wake-up request before every block
+            assert len(prompts) == 1 and len(prompts[0]) == 1
+            wakes.append(impl)
+            return {}
         calls.append((impl, prompts))
         n = sum(1 for c in calls if c[0] == impl) - 1 - 2  # this round, after 2 warm-ups
         ttft = 1e6 if n < 0 else plugin_ttft[n] if impl == "plugin" else 20.0
@@ -73,8 +79,10 @@ def test_alternating_rounds_warmup_and_paired_ratios(tmp_path: Path, monkeypatch
 
     monkeypatch.setattr(E, "measure_block", measure_block)
     sc = E.Scenario(concurrency=3, prompt_len=5, output_len=3)
-    res = E.run(rounds=4, warmup=2, scenarios={"t": sc}, out_dir=tmp_path, progress=None)
+    res = E.run(rounds=4, warmup=2, scenarios={"t": sc}, out_dir=tmp_path, settle_s=0.0,
+                progress=None)
     order = [c[0] for c in calls]
+    assert wakes == order  # each block right after a wake-up of its own server
     # rounds -2..3: even rounds plugin first, odd rounds vLLM first
     assert order == ["plugin", "vllm", "vllm", "plugin"] * 3
     assert all(s.stopped for s in servers) and len(servers) == 2

@@ -12,6 +12,15 @@ so no round hits the prefix cache of an earlier one, and both servers see the
 same ones. A few unrecorded warm-up rounds per scenario come first (a new
 shape's first pass pays oneDNN primitive creation: 4x the TTFT of later rounds).
 
+Before each block the bench waits ``settle_s`` (1.5 s) and then sends the server
+one unrecorded 1-token request. Both servers' workers are pinned to the same
+core (vLLM's ``VLLM_CPU_OMP_THREADS_BIND=auto`` on 2 cores), and a vLLM worker
+keeps polling its message queue for 1 s after its last step
+(``shm_broadcast``'s ``busy_loop_s``), then sleeps until notified; without the
+pause the measured server shared its core with the other one's polling, and
+without the wake-up its first request paid the sleep: the second block of a
+round measured up to 1 s more TTFT than the first, whichever layer it was.
+
 Why rounds of a second or two, with an in-process client, rather than
 ``vllm bench serve`` runs: on a shared 2-core box the speed of the same server
 drifts by 2x over tens of seconds, and each ``vllm bench serve`` spends ~10 s of
@@ -227,7 +236,8 @@ def summarize(runs: Sequence[Mapping[str, Any]], name: str, rounds: int
 
 def run(*, rounds: int = 30, warmup: int = 2, scenarios: Mapping[str, Scenario] = SCENARIOS,
         out_dir: str | os.PathLike[str] | None = None, health_timeout: float = 1200.0,
-        seed: int = 0, progress: TextIO | None = sys.stderr) -> dict[str, Any]:
+        seed: int = 0, settle_s: float = 1.5, progress: TextIO | None = sys.stderr
+        ) -> dict[str, Any]:
     """Serve both layers, run ``warmup`` + ``rounds`` alternating rounds per scenario;
     returns the result."""
     from vllm_dsv4_backend import run as R
@@ -261,6 +271,9 @@ def run(*, rounds: int = 30, warmup: int = 2, scenarios: Mapping[str, Scenario] 
                     prompts = [[rng.choice(ids) for _ in range(sc.prompt_len)]
                                for _ in range(sc.concurrency)]
                     for impl in (IMPLS if r % 2 == 0 else IMPLS[::-1]):
+                        time.sleep(settle_s)
+                        measure_block(servers[impl].base_url, serve.served_model_name,
+                                      [prompts[0][:1]], 1, servers[impl].proc.pid)
                         metrics = measure_block(servers[impl].base_url,
                                                 serve.served_model_name, prompts,
                                                 sc.output_len, servers[impl].proc.pid)
@@ -272,6 +285,7 @@ def run(*, rounds: int = 30, warmup: int = 2, scenarios: Mapping[str, Scenario] 
         raise E2EError(str(e)) from e
     (out / "runs.json").write_text(json.dumps(runs))
     return {"schema": SCHEMA, "rounds": rounds, "warmup": warmup, "seed": seed,
+            "settle_s": settle_s,
             "scenarios": {k: asdict(v) for k, v in scenarios.items()},
             "summary": {name: summarize(runs, name, rounds) for name in scenarios},
             "runs": runs, "out_dir": str(out), "wall_s": time.monotonic() - t0,
@@ -317,13 +331,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--scenario", action="append", choices=sorted(SCENARIOS),
                    help="run only these scenarios (repeatable; default all)")
     p.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
+    p.add_argument("--settle", type=float, default=1.5,
+                   help="seconds of quiet before each block (default 1.5)")
     p.add_argument("--json", help="write the result here")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.warmup < 0:
         p.error("--rounds must be positive and --warmup non-negative")
     chosen = {k: SCENARIOS[k] for k in (args.scenario or SCENARIOS)}
     try:
-        res = run(rounds=args.rounds, warmup=args.warmup, scenarios=chosen, seed=args.seed)
+        res = run(rounds=args.rounds, warmup=args.warmup, scenarios=chosen, seed=args.seed,
+                  settle_s=args.settle)
     except (E2EError, ValueError) as e:
         print(f"e2e-layers failed: {e}", file=sys.stderr)
         return 3

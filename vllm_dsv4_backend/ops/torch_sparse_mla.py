@@ -33,7 +33,9 @@ The structure of a row's reduction thus depends only on its own index lists: pad
 list with -1 to a wider width, the other rows of the batch, the chunking of rows, the
 memory budget and the deduplicated path all give the same bits (BLAS and reduction kernels
 are deterministic for a fixed shape; a wider reduction, as the old full-width segment
-had, rounds differently: MKL's ``P K`` with K = 256 vs 512 zero-padded differs). The
+had, rounds differently: MKL's ``P K`` with K = 256 vs 512 zero-padded differs; and a chunk
+of fewer rows than threads runs its GEMMs on one thread, :mod:`~vllm_dsv4_backend.ops.blas`,
+because MKL's AVX2 kernels round a lone GEMM by how they split it). The
 fp32 working set stays under ``budget_bytes`` (32 MiB by default) for any top-k: the
 budget only sets the rows per chunk. Only the named slots are
 gathered and dequantized (a fused gather + bit-level e4m3 decode,
