@@ -398,45 +398,43 @@ def indexer_logits(
         qf = _dequant_q(q[t0:t1], None if q_scale is None else q_scale[t0:t1], dtype)
         # The shared-row mm is one GEMM whatever the chunk, and a bmm of fewer tokens than
         # threads is split too: on one thread either rounds as the tokens' bmm in a batch.
-        one = dev.type == "cpu" and (shared_row is not None or lone_gemm(t1 - t0, dev))
+        one = lone_gemm(1 if shared_row is not None else t1 - t0, dev)
         w = weights[t0:t1].unsqueeze(1)
         end = width
         if host_lens is not None:
             end = min(width, max(0, int(host_lens[t0:t1].max())))
             if end < width:
                 res[t0:t1, end:].fill_(float("-inf"))
-        for j0 in range(0, end, nc):
-            j1 = j0 + nc
-            jw = min(j1, width) - j0
-            j = ar[j0:j1]
-            page_col = j // bs
-            in_table = page_col < max_blocks
-            page_col = page_col.clamp(max=max_blocks - 1)
-            causal = j.unsqueeze(0) < lens.unsqueeze(1)
-            if shared_row is not None:
-                page = shared_row.index_select(0, page_col).long()
-                mapped = (page >= 0) & in_table
-                page.masked_fill_(~mapped, 0)
-                vals, scs = ic.gather_raw(values_v, scales_v, page, j % bs)
-                kf, k_scale = _dequant_k(vals, scs, dtype)  # [n, 128], [n] | None
-                with gemm_one_thread(one):
+        with gemm_one_thread(one):  # only MKL's GEMMs see it (ops/blas.py)
+            for j0 in range(0, end, nc):
+                j1 = j0 + nc
+                jw = min(j1, width) - j0
+                j = ar[j0:j1]
+                page_col = j // bs
+                in_table = page_col < max_blocks
+                page_col = page_col.clamp(max=max_blocks - 1)
+                causal = j.unsqueeze(0) < lens.unsqueeze(1)
+                if shared_row is not None:
+                    page = shared_row.index_select(0, page_col).long()
+                    mapped = (page >= 0) & in_table
+                    page.masked_fill_(~mapped, 0)
+                    vals, scs = ic.gather_raw(values_v, scales_v, page, j % bs)
+                    kf, k_scale = _dequant_k(vals, scs, dtype)  # [n, 128], [n] | None
                     s = torch.mm(qf.flatten(0, 1), kf.t()).unflatten(0, (t1 - t0, h))
-                valid = causal & mapped.unsqueeze(0)
-            else:
-                page = pages.index_select(1, page_col).long()
-                valid = causal & (page >= 0) & in_table
-                page.masked_fill_(~valid, 0)
-                vals, scs = ic.gather_raw(values_v, scales_v, page, (j % bs).expand_as(page))
-                kf, k_scale = _dequant_k(vals, scs, dtype)  # [tc, n, 128], [tc, n] | None
-                with gemm_one_thread(one):
+                    valid = causal & mapped.unsqueeze(0)
+                else:
+                    page = pages.index_select(1, page_col).long()
+                    valid = causal & (page >= 0) & in_table
+                    page.masked_fill_(~valid, 0)
+                    vals, scs = ic.gather_raw(values_v, scales_v, page, (j % bs).expand_as(page))
+                    kf, k_scale = _dequant_k(vals, scs, dtype)  # [tc, n, 128], [tc, n] | None
                     s = torch.bmm(qf, kf.transpose(1, 2))  # [tc, H, n]
-            with gemm_one_thread(one):
                 lg = torch.bmm(w, s.relu_()).squeeze(1)  # [tc, n]
-            if k_scale is not None:
-                # relu(q.(k*s)) = s*relu(q.k) for the positive power-of-two FP8 scale:
-                # the same numbers, one multiply per entry instead of per value.
-                lg.mul_(k_scale)
-            res[t0:t1, j0:j0 + jw] = lg[:, :jw].masked_fill_(~valid[:, :jw], float("-inf"))
+                if k_scale is not None:
+                    # relu(q.(k*s)) = s*relu(q.k) for the positive power-of-two FP8 scale:
+                    # the same numbers, one multiply per entry instead of per value.
+                    lg.mul_(k_scale)
+                res[t0:t1, j0:j0 + jw] = lg[:, :jw].masked_fill_(~valid[:, :jw], float("-inf"))
     return res
 
 
