@@ -194,7 +194,7 @@ def test_sparse_mla_prefill_batch_and_chunk_invariant():
 # width (seg = width whenever it fits the 32 MiB budget), so torch.sum(s, -1) and
 # bmm(s, k) reduced over a K that grew with -1 padding: out / lse moved by ~1 bf16 / fp32
 # ulp (this test failed on an AVX512 Xeon with MKL 2024.2). That matters to a caller padding
-# rows to the batch's widest (the C128 adaptive width of backend.DSV4SparseMetadataBuilder,
+# rows to the batch's widest (a C128 table padded to an adaptive width,
 # as vLLM's FlashMLA metadata does); the plugin's CPU layer passes fixed widths. Now every
 # GEMM and sum of a row runs over fixed 128-column segments counted from each list's own
 # column 0 (the last one padded with invalid columns), and 512-column groups with no valid

@@ -2,8 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Benchmarks (not tests): ``python -m vllm_dsv4_backend.bench.kernels`` times the sparse MLA
 kernels; ``vllm-dsv4-bench`` (:mod:`.cli`) the eager region under the workspace policies, and
-its ``layer-ab`` / ``e2e-layers`` / ``solo-identity`` commands the plugin's layer against
-vLLM's own."""
+its ``step-ab`` / ``layer-ab`` / ``e2e-layers`` / ``solo-identity`` commands the plugin's
+layer against vLLM's own."""
 
 from __future__ import annotations
 
@@ -25,6 +25,13 @@ def median_ci(xs: Sequence[float]) -> tuple[float, float]:
     j = max(1, math.floor(n / 2 - half))
     k = min(n, math.ceil(1 + n / 2 + half))
     return s[j - 1], s[k - 1]
+
+
+def verdict(lo: float | None, hi: float | None) -> str:
+    """``plugin`` / ``vllm`` when the ratio's interval excludes 1 that way, else ``tie``."""
+    if lo is None or hi is None:
+        return "n/a"
+    return "plugin" if lo > 1.0 else "vllm" if hi < 1.0 else "tie"
 
 
 def finish(result: dict[str, Any], json_path: str | None, text: str) -> int:

@@ -273,8 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
         "indexer q, top-k, sparse MLA) of N Flash-shaped layers under the workspace policies "
         "off / shared / private, side by side in one run.",
         epilog=("JSON keys: docs/benchmarks.md. Example: vllm-dsv4-bench --json bench.json. "
-                "Plugin layer vs vLLM's own layer (need vLLM): vllm-dsv4-bench layer-ab | "
-                "e2e-layers | solo-identity [--help]"),
+                "Plugin layer vs vLLM's own layer (need vLLM): vllm-dsv4-bench step-ab | "
+                "layer-ab | e2e-layers | solo-identity [--help]"),
     )
     p.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
     p.add_argument("--preset", choices=PRESET_NAMES, default="default",
@@ -378,6 +378,7 @@ def _write_json(path: str, result: Mapping[str, Any]) -> None:
 # ``vllm-dsv4-bench COMMAND ...``: the plugin's layer against vLLM's own CPU
 # layer (each needs vLLM; the module's --help lists its flags).
 SUBCOMMANDS = {
+    "step-ab": "vllm_dsv4_backend.bench.step_ab",
     "layer-ab": "vllm_dsv4_backend.bench.layer_ab",
     "e2e-layers": "vllm_dsv4_backend.bench.e2e_layers",
     "solo-identity": "vllm_dsv4_backend.bench.solo_identity",
@@ -387,7 +388,7 @@ SUBCOMMANDS = {
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point; returns the exit code (0 ok, 2 bad arguments, 3 e2e failure).
 
-    ``vllm-dsv4-bench layer-ab|e2e-layers|solo-identity ARGS`` runs that
+    ``vllm-dsv4-bench step-ab|layer-ab|e2e-layers|solo-identity ARGS`` runs that
     comparison of the plugin's layer with vLLM's own layer instead."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SUBCOMMANDS:

@@ -61,7 +61,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from vllm_dsv4_backend.bench import finish, median_ci
+from vllm_dsv4_backend.bench import finish, median_ci, verdict
 from vllm_dsv4_backend.bench.e2e import REPO, SERVE_CONFIG, E2EError
 
 SCHEMA = "vllm-dsv4-e2e-layers/2"
@@ -181,13 +181,6 @@ def _ratio(plugin: float | None, vllm: float | None, lower_is_better: bool) -> f
     if not plugin or not vllm:
         return None
     return vllm / plugin if lower_is_better else plugin / vllm
-
-
-def verdict(lo: float | None, hi: float | None) -> str:
-    """``plugin`` / ``vllm`` when the ratio's interval excludes 1 that way, else ``tie``."""
-    if lo is None or hi is None:
-        return "n/a"
-    return "plugin" if lo > 1.0 else "vllm" if hi < 1.0 else "tie"
 
 
 @contextlib.contextmanager

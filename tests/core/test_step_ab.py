@@ -1,0 +1,51 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""bench.step_ab's pairing without vLLM: a pair is two adjacent steps of the same token
+count on opposite sides, each step in one pair at most, the ratio is vLLM / plugin
+whichever side ran first, steps of other sizes and parts a step lacks are skipped (the
+real engine run is tests/vllm/test_step_ab_engine.py)."""
+
+import pytest
+
+from vllm_dsv4_backend.bench import step_ab as S
+
+
+def _s(side: str, tokens: int, step: float, **parts: float) -> dict:
+    return {"side": side, "tokens": tokens, "step": step, **parts}
+
+
+def test_pairs_adjacent_opposite_sides_in_either_order() -> None:
+    steps = [_s("plugin", 1, 2.0), _s("vllm", 1, 3.0),   # 1.5
+             _s("vllm", 1, 4.0), _s("plugin", 1, 2.0),   # 2.0 (vLLM first)
+             _s("plugin", 1, 1.0)]                       # unpaired tail
+    assert S.pair_ratios(steps, "step", 1) == [1.5, 2.0]
+
+
+def test_same_side_neighbours_and_other_sizes_do_not_pair() -> None:
+    steps = [_s("plugin", 1, 2.0), _s("plugin", 1, 5.0), _s("vllm", 8, 9.0),
+             _s("vllm", 1, 10.0), _s("plugin", 16, 1.0)]
+    # plugin(2.0) has a plugin neighbour; plugin(5.0) pairs with the next size-1 step.
+    assert S.pair_ratios(steps, "step", 1) == [2.0]
+    assert S.pair_ratios(steps, "step", 8) == []
+
+
+def test_parts_missing_from_a_step_are_left_out() -> None:
+    steps = [_s("plugin", 4, 2.0, build=0.5), _s("vllm", 4, 2.2),
+             _s("vllm", 4, 2.0, build=1.0), _s("plugin", 4, 1.0, build=0.25)]
+    assert S.pair_ratios(steps, "build", 4) == [4.0]
+    assert S.pair_ratios(steps, "step", 4) == [pytest.approx(1.1), 2.0]
+
+
+def test_summary_verdicts_follow_the_interval() -> None:
+    steps = []
+    for i in range(40):
+        steps += [_s("plugin", 1, 1.0, build=1.0, forward=1.0),
+                  _s("vllm", 1, 1.2 + 0.001 * i, build=1.0, forward=0.9 - 0.001 * i)]
+    row = S.summarize(steps, 1)
+    assert row["step"]["pairs"] == 40 and row["step"]["verdict"] == "plugin"
+    assert row["build"]["verdict"] == "tie" and row["build"]["ratio_median"] == 1.0
+    assert row["forward"]["verdict"] == "vllm"
+    assert row["step"]["plugin_ms_median"] == pytest.approx(1000.0)
+    assert S.summarize(steps, 2)["step"] == {
+        "pairs": 0, "ratio_median": None, "ratio_ci95_lo": None, "ratio_ci95_hi": None,
+        "verdict": "n/a", "plugin_ms_median": None, "vllm_ms_median": None}

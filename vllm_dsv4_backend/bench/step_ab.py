@@ -1,0 +1,311 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Engine-step A/B on CPU: whole model steps with the plugin's layer and builder vs
+with vLLM's own, alternating step by step in one engine.
+
+A real vLLM engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the
+uniprocess executor) with the plugin's layer. Before every engine step
+(``execute_model``) the bench switches the whole model to one side, the other side
+for the next step:
+
+* ``plugin``: the plugin's ``DSV4CPUAttention`` / ``DSV4Indexer`` classes and its
+  sliding-window metadata builder;
+* ``vllm``: the same modules with their classes set to vLLM's
+  ``DeepseekV4CPUAttention`` / ``DeepseekV4CPUIndexer``, and vLLM's
+  ``DeepseekV4CPUSparseSWAMetadataBuilder`` (the compressed caches' builder is
+  vLLM's on both sides).
+
+Same weights, caches and requests; each step is one real forward of every layer, so
+nothing is repeated or warmer on one side. Adjacent steps are ~10 ms apart, close
+enough that this host's second-to-second speed changes cancel in the pair (served
+blocks a few seconds apart do not: ``e2e_layers``). Per step it records the time of
+``execute_model``, and inside it of ``_build_attention_metadata`` (every group's
+builder) and ``_model_forward``; the ratio vLLM / plugin (>= 1: the plugin at least
+as fast) of each pair of adjacent steps with the same token count, their median and
+its 95% confidence interval. The layers are bitwise equal, so the generation is the
+same whichever side runs a step: the bench checks that its tokens equal a run with
+the plugin's side only.
+
+Cases: decode at batch 1 / 8 / 32 (16-token prompts) and prefills of ``--prefill``
+tokens (one request per step, alternating sides request by request).
+
+``vllm-dsv4-bench step-ab [--requests 6] [--json out.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from vllm_dsv4_backend.bench import finish, median_ci, verdict
+from vllm_dsv4_backend.bench.layer_ab import TINY_MODEL, flash_shaped_model
+
+SCHEMA = "vllm-dsv4-step-ab/1"
+SIDES = ("plugin", "vllm")
+# execute_model and the two parts of it the layer and the builders change.
+PARTS = ("step", "build", "forward")
+
+
+class Sides:
+    """Switches an engine's model between the plugin's classes and vLLM's."""
+
+    def __init__(self, runner: Any) -> None:
+        from vllm.models.deepseek_v4.cpu.cpu_mla import DeepseekV4CPUSparseSWAMetadataBuilder
+        from vllm.models.deepseek_v4.cpu.cpu_sparse import (
+            DeepseekV4CPUAttention,
+            DeepseekV4CPUIndexer,
+        )
+
+        from vllm_dsv4_backend import backend
+        from vllm_dsv4_backend.layer.cpu import DSV4CPUAttention
+
+        self.layers = [m for m in runner.get_model().modules()
+                       if isinstance(m, DSV4CPUAttention)]
+        if not self.layers:
+            raise RuntimeError("step-ab: the engine is not running the plugin's layer")
+        self.indexer_cls = {id(m): type(m.indexer) for m in self.layers
+                            if m.indexer is not None}
+        swa_cls = backend.get_swa_builder_cls()
+        self.swa_builders = [b for groups in runner.attn_groups for g in groups
+                             for b in g.metadata_builders if type(b) is swa_cls]
+        self._classes = {
+            "plugin": (DSV4CPUAttention, None, swa_cls),
+            "vllm": (DeepseekV4CPUAttention, DeepseekV4CPUIndexer,
+                     DeepseekV4CPUSparseSWAMetadataBuilder),
+        }
+
+    def set(self, side: str) -> None:
+        layer_cls, indexer_cls, builder_cls = self._classes[side]
+        for m in self.layers:
+            m.__class__ = layer_cls
+            if m.indexer is not None:
+                m.indexer.__class__ = indexer_cls or self.indexer_cls[id(m)]
+        for b in self.swa_builders:
+            b.__class__ = builder_cls
+
+
+class _StepRecorder:
+    """Wraps the model runner's ``execute_model`` (side switch + timers)."""
+
+    def __init__(self, sides: Sides) -> None:
+        self.sides = sides
+        self.alternate = True
+        self.n = 0
+        self.steps: list[dict[str, Any]] = []
+        self._parts: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def installed(self, runner_cls: type) -> Iterator[None]:
+        originals = {name: runner_cls.__dict__[name] for name in
+                     ("execute_model", "_build_attention_metadata", "_model_forward")}
+
+        def timed(name: str, label: str) -> Any:
+            fn = originals[name]
+
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self._parts[label] = self._parts.get(label, 0.0) + time.perf_counter() - t0
+            return wrapper
+
+        build, forward = timed("_build_attention_metadata", "build"), timed("_model_forward",
+                                                                              "forward")
+
+        def execute_model(runner: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            side = SIDES[self.n % 2] if self.alternate else "plugin"
+            self.n += 1
+            self.sides.set(side)
+            self._parts = {}
+            t0 = time.perf_counter()
+            try:
+                return originals["execute_model"](runner, scheduler_output, *args, **kwargs)
+            finally:
+                self.steps.append({"side": side, "step": time.perf_counter() - t0,
+                                   "tokens": scheduler_output.total_num_scheduled_tokens,
+                                   **self._parts})
+
+        runner_cls.execute_model = execute_model
+        runner_cls._build_attention_metadata = build
+        runner_cls._model_forward = forward
+        try:
+            yield
+        finally:
+            for name, fn in originals.items():
+                setattr(runner_cls, name, fn)
+            self.sides.set("plugin")
+
+
+def pair_ratios(steps: Sequence[dict[str, Any]], part: str, tokens: int) -> list[float]:
+    """vLLM / plugin of ``part`` for each pair of adjacent ``tokens``-token steps on
+    opposite sides (each step in one pair at most; the same pairs for every part, a pair
+    left out where either step lacks ``part``)."""
+    rows = [s for s in steps if s["tokens"] == tokens]
+    out, i = [], 0
+    while i + 1 < len(rows):
+        a, b = rows[i], rows[i + 1]
+        if a["side"] == b["side"]:
+            i += 1
+            continue
+        p, v = (a, b) if a["side"] == "plugin" else (b, a)
+        if p.get(part) and part in v:
+            out.append(v[part] / p[part])
+        i += 2
+    return out
+
+
+def summarize(steps: Sequence[dict[str, Any]], tokens: int) -> dict[str, Any]:
+    row: dict[str, Any] = {"tokens": tokens}
+    for part in PARTS:
+        ratios = pair_ratios(steps, part, tokens)
+        lo, hi = median_ci(ratios) if ratios else (None, None)
+        ms = {side: [1e3 * s[part] for s in steps
+                     if s["tokens"] == tokens and s["side"] == side and part in s]
+              for side in SIDES}
+        row[part] = {"pairs": len(ratios),
+                     "ratio_median": statistics.median(ratios) if ratios else None,
+                     "ratio_ci95_lo": lo, "ratio_ci95_hi": hi, "verdict": verdict(lo, hi),
+                     **{f"{side}_ms_median": statistics.median(v) if v else None
+                        for side, v in ms.items()}}
+    return row
+
+
+def _engine(LLM: type, model: Path, max_seqs: int, max_len: int) -> Any:  # noqa: N803
+    return LLM(model=str(model), load_format="dummy", tokenizer_mode="hf",
+               kv_cache_dtype="fp8", enforce_eager=True, max_model_len=max_len,
+               max_num_batched_tokens=max(max_len, 2048), max_num_seqs=max_seqs, seed=0,
+               attention_backend="FLASHMLA_SPARSE_DSV4", enable_prefix_caching=False,
+               distributed_executor_backend="uni", generation_config="vllm")
+
+
+def _runner(llm: Any) -> Any:
+    core = llm.llm_engine.engine_core
+    core = getattr(core, "engine_core", core)
+    return core.model_executor.driver_worker.worker.model_runner
+
+
+def run(*, flash_shaped: bool = False, batches: Sequence[int] = (1, 8, 32),
+        prefill: int = 1024, output_len: int = 64, requests: int = 6,
+        progress: Any = sys.stderr) -> dict[str, Any]:
+    """Run every case in one engine; returns the JSON-able result."""
+    from vllm_dsv4_backend import envs
+
+    if envs.VLLM_DSV4_ATTN_IMPL == "vllm":
+        raise ValueError("step-ab switches the plugin's layer to vLLM's and back: run it "
+                         "with VLLM_DSV4_ATTN_IMPL=auto or plugin, not vllm")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # LLM first: the plugin patches LLM.__init__ when it loads.
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    load_general_plugins()
+    tmp = Path(tempfile.mkdtemp(prefix="dsv4-step-ab-"))
+    model = flash_shaped_model(tmp) if flash_shaped else TINY_MODEL
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    llm = _engine(LLM, model, max(batches), max(prefill + 16, 2048))
+    runner = _runner(llm)
+    rec = _StepRecorder(Sides(runner))
+    rng = random.Random(0)
+
+    def prompts(n: int, length: int) -> list[Any]:
+        return [TokensPrompt(prompt_token_ids=[rng.randrange(16, vocab) for _ in range(length)])
+                for _ in range(n)]
+
+    def say(msg: str) -> None:
+        if progress is not None:
+            progress.write(f"[step-ab] {msg}\n")
+            progress.flush()
+
+    t0 = time.monotonic()
+    rows, identical = [], {}
+    with rec.installed(GPUModelRunner):
+        decode = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        for b in batches:
+            say(f"decode b{b}: 1 warm-up + {requests} generations of {output_len} tokens")
+            fixed = prompts(b, 16)
+            rec.alternate = False
+            want = [o.outputs[0].token_ids for o in llm.generate(fixed, decode, use_tqdm=False)]
+            rec.alternate, rec.steps = True, []
+            got = [o.outputs[0].token_ids for o in llm.generate(fixed, decode, use_tqdm=False)]
+            identical[f"decode_b{b}"] = got == want
+            for _ in range(requests):
+                llm.generate(prompts(b, 16), decode, use_tqdm=False)
+            rows.append({"case": f"decode_b{b}", **summarize(rec.steps, b)})
+        say(f"prefill {prefill}: {4 * requests} one-token requests")
+        rec.steps = []
+        one = SamplingParams(temperature=0.0, max_tokens=1)
+        llm.generate(prompts(1, prefill), one, use_tqdm=False)
+        rec.steps = []
+        for _ in range(4 * requests):
+            llm.generate(prompts(1, prefill), one, use_tqdm=False)
+        rows.append({"case": f"prefill_{prefill}", **summarize(rec.steps, prefill)})
+    import torch
+
+    return {"schema": SCHEMA, "model": "flash-shaped" if flash_shaped else "tiny",
+            "threads": torch.get_num_threads(), "requests": requests,
+            "output_len": output_len, "rows": rows, "tokens_identical": identical,
+            "wall_s": time.monotonic() - t0}
+
+
+def format_result(res: dict[str, Any]) -> str:
+    lines = [(f"engine-step A/B ({res['model']} model, {res['threads']} thread(s)): ratio = "
+              "vLLM side / plugin side per pair of adjacent steps (>= 1: plugin at least as "
+              "fast), median and its 95% CI; step = execute_model, build = every metadata "
+              "builder, forward = the model forward"),
+             (f"{'case':<14}{'part':<9}{'pairs':>6}{'plugin ms':>11}{'vLLM ms':>10}"
+              f"{'ratio':>8}{'median CI':>16}  verdict")]
+    for r in res["rows"]:
+        for part in PARTS:
+            x = r[part]
+            if not x["pairs"]:
+                lines.append(f"{r['case']:<14}{part:<9}{0:>6}  (no pair: the batch never "
+                             "formed)")
+                continue
+            lines.append(f"{r['case']:<14}{part:<9}{x['pairs']:>6}{x['plugin_ms_median']:>11.3f}"
+                         f"{x['vllm_ms_median']:>10.3f}{x['ratio_median']:>8.3f}"
+                         f"{x['ratio_ci95_lo']:>8.3f}..{x['ratio_ci95_hi']:<6.3f}  "
+                         f"{x['verdict']}")
+    same = ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in res["tokens_identical"].items())
+    lines.append(f"tokens of an alternating run equal the plugin-only run: {same}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--flash-shaped", action="store_true",
+                   help="DeepSeek-V4-Flash attention widths instead of the tiny model's")
+    p.add_argument("--batches", default="1,8,32", help="decode batch sizes (default 1,8,32)")
+    p.add_argument("--prefill", type=int, default=1024, help="prompt tokens of the prefill case")
+    p.add_argument("--output-len", type=int, default=64, help="tokens per decode request")
+    p.add_argument("--requests", type=int, default=6,
+                   help="generations per decode case (4x as many prefills; default 6)")
+    p.add_argument("--json", help="write the result here")
+    args = p.parse_args(argv)
+    batches = [int(x) for x in args.batches.split(",") if x.strip()]
+    if not batches or min(batches) < 1 or args.requests < 1 or args.output_len < 2 \
+            or args.prefill < 1:
+        p.error("--batches, --requests, --prefill must be positive, --output-len >= 2")
+    try:
+        res = run(flash_shaped=args.flash_shaped, batches=batches, prefill=args.prefill,
+                  output_len=args.output_len, requests=args.requests)
+    except (ValueError, RuntimeError) as e:
+        print(f"step-ab failed: {e}", file=sys.stderr)
+        return 3
+    return finish(res, args.json, format_result(res))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
