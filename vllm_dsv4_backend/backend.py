@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-from vllm.logger import init_logger
 from vllm.models.deepseek_v4.sparse_mla import DeepseekV4SparseMLABackend
 from vllm.platforms import current_platform
 from vllm.platforms.interface import DeviceCapability
@@ -32,8 +31,6 @@ from vllm.v1.attention.backends.mla.sparse_swa import (
 )
 
 from vllm_dsv4_backend.formats import constants
-
-logger = init_logger(__name__)
 
 SUPPORTED_KV_CACHE_DTYPES = constants.KV_CACHE_DTYPES
 SUPPORTED_INDEXER_KV_DTYPES = constants.INDEXER_KV_DTYPES

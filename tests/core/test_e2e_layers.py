@@ -104,7 +104,7 @@ def test_alternating_rounds_warmup_and_paired_ratios(tmp_path: Path, monkeypatch
 
 
 def test_median_ci_and_verdict() -> None:
-    from vllm_dsv4_backend.bench.e2e_layers import verdict
+    from vllm_dsv4_backend.bench import verdict
 
     xs = [float(i) for i in range(1, 101)]
     # n=100: order statistics 40 and 61 (1-based), the textbook 95% interval
