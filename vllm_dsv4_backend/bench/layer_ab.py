@@ -280,17 +280,26 @@ def format_result(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_shape_args(p: argparse.ArgumentParser) -> None:
+    """``--flash-shaped`` and ``--batches``, shared by the layer-vs-layer benchmarks."""
     p.add_argument("--flash-shaped", action="store_true",
                    help="DeepSeek-V4-Flash attention widths instead of the tiny model's")
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes (default 1,8,32)")
+
+
+def parse_batches(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_shape_args(p)
     p.add_argument("--context", type=int, default=256, help="prompt tokens per decode request")
     p.add_argument("--prefill", type=int, default=1024, help="tokens of the prefill case")
     p.add_argument("--reps", type=int, default=3, help="A/B pairs per layer forward")
     p.add_argument("--json", help="write the result here")
     args = p.parse_args(argv)
-    batches = [int(x) for x in args.batches.split(",") if x.strip()]
+    batches = parse_batches(args.batches)
     if not batches or min(batches) < 1 or args.reps < 1 or args.context < 1:
         p.error("--batches, --context and --reps must be positive")
     res = run(flash_shaped=args.flash_shaped, batches=batches, context=args.context,

@@ -48,7 +48,12 @@ from pathlib import Path
 from typing import Any
 
 from vllm_dsv4_backend.bench import finish, median_ci, verdict
-from vllm_dsv4_backend.bench.layer_ab import TINY_MODEL, flash_shaped_model
+from vllm_dsv4_backend.bench.layer_ab import (
+    TINY_MODEL,
+    add_shape_args,
+    flash_shaped_model,
+    parse_batches,
+)
 
 SCHEMA = "vllm-dsv4-step-ab/1"
 SIDES = ("plugin", "vllm")
@@ -245,7 +250,6 @@ def run(*, flash_shaped: bool = False, batches: Sequence[int] = (1, 8, 32),
                 llm.generate(prompts(b, 16), decode, use_tqdm=False)
             rows.append({"case": f"decode_b{b}", **summarize(rec.steps, b)})
         say(f"prefill {prefill}: {4 * requests} one-token requests")
-        rec.steps = []
         one = SamplingParams(temperature=0.0, max_tokens=1)
         llm.generate(prompts(1, prefill), one, use_tqdm=False)
         rec.steps = []
@@ -285,16 +289,14 @@ def format_result(res: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--flash-shaped", action="store_true",
-                   help="DeepSeek-V4-Flash attention widths instead of the tiny model's")
-    p.add_argument("--batches", default="1,8,32", help="decode batch sizes (default 1,8,32)")
+    add_shape_args(p)
     p.add_argument("--prefill", type=int, default=1024, help="prompt tokens of the prefill case")
     p.add_argument("--output-len", type=int, default=64, help="tokens per decode request")
     p.add_argument("--requests", type=int, default=6,
                    help="generations per decode case (4x as many prefills; default 6)")
     p.add_argument("--json", help="write the result here")
     args = p.parse_args(argv)
-    batches = [int(x) for x in args.batches.split(",") if x.strip()]
+    batches = parse_batches(args.batches)
     if not batches or min(batches) < 1 or args.requests < 1 or args.output_len < 2 \
             or args.prefill < 1:
         p.error("--batches, --requests, --prefill must be positive, --output-len >= 2")
