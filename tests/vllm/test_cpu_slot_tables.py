@@ -67,3 +67,28 @@ def test_window_slots_equal_vllm(window):
     assert torch.equal(got, want)
     # Second call reuses the cached offsets and gives the same table.
     assert torch.equal(cpu_layer.DSV4CPUAttention._window_slots(layer, md, positions), want)
+
+
+def test_step_tables_keep_one_table_per_cache_group() -> None:
+    # A model has several KV cache groups (the tiny model's SWA caches form two: layers
+    # 0/2 and 1/3), each with its own metadata object and block table. Layers of one
+    # group share a table; a layer of the other group must never get it.
+    tables = cpu_layer._StepTables()
+    positions = torch.arange(4)
+    md_a, md_b = SimpleNamespace(name="a"), SimpleNamespace(name="b")
+    builds: list[str] = []
+
+    def get(md: SimpleNamespace) -> torch.Tensor:
+        def build() -> torch.Tensor:
+            builds.append(md.name)
+            return torch.full((1,), ord(md.name))
+        return tables.get("window", md, positions, build)
+
+    got = [int(get(md)) for md in (md_a, md_b, md_a, md_b)]  # layers 0, 1, 2, 3
+    assert got == [ord("a"), ord("b"), ord("a"), ord("b")]
+    assert builds == ["a", "b"]
+    # Other positions (the next step's tensor): rebuilt, never the old table.
+    assert int(tables.get("window", md_a, torch.arange(4), lambda: torch.zeros(1))) == 0
+    tables.clear()
+    get(md_a)
+    assert builds == ["a", "b", "a"]

@@ -20,14 +20,27 @@ nothing is repeated or warmer on one side. Adjacent steps are ~10 ms apart, clos
 enough that this host's second-to-second speed changes cancel in the pair (served
 blocks a few seconds apart do not: ``e2e_layers``). Per step it records the time of
 ``execute_model``, and inside it of ``_build_attention_metadata`` (every group's
-builder) and ``_model_forward``; the ratio vLLM / plugin (>= 1: the plugin at least
-as fast) of each pair of adjacent steps with the same token count, their median and
-its 95% confidence interval. The layers are bitwise equal, so the generation is the
-same whichever side runs a step: the bench checks that its tokens equal a run with
-the plugin's side only.
+builder), ``_model_forward`` and, inside that, the attention layers' ``forward``
+(``attn``, summed over the step's layers: the layer-level figure, in real steps); the
+ratio vLLM / plugin (>= 1: the plugin at least
+as fast) of each pair of steps doing the same work, their median and its 95%
+confidence interval. The layers are bitwise equal, so the generation is the same
+whichever side runs a step: the bench checks that its tokens equal a run with the
+plugin's side only.
 
-Cases: decode at batch 1 / 8 / 32 (16-token prompts) and prefills of ``--prefill``
-tokens (one request per step, alternating sides request by request).
+"The same work" is more than the token count. A compressed layer's compressor does
+its real work (compress, norm, RoPE, store) only in a step where a token closes a
+window of ``compress_ratio`` positions: every 4th decode step for C4 at batch 1, and
+in lock step for a batch of equal prompts. Strict step-by-step alternation would hand
+every such step to one side (positions advance by one per step, so a window's end
+always falls on steps of the same parity). So each step's work is its token count and,
+per compress ratio, the number of its tokens that close a window
+(:func:`step_work`); the sides alternate within each kind of work, and a pair is two
+consecutive steps of the same work (adjacent steps, or four apart for the closing
+ones). The result says how many closing steps each side ran.
+
+Cases: decode at batch 1 / 8 / 32 (prompts of ``--context`` tokens, default 16) and
+prefills of ``--prefill`` tokens (one request per step, alternating sides request by request).
 
 ``vllm-dsv4-bench step-ab [--requests 6] [--json out.json]``.
 """
@@ -43,7 +56,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +69,34 @@ from vllm_dsv4_backend.bench.layer_ab import (
     parse_batches,
 )
 
-SCHEMA = "vllm-dsv4-step-ab/1"
+SCHEMA = "vllm-dsv4-step-ab/2"  # 2: pairs of the same work, closing_steps
 SIDES = ("plugin", "vllm")
-# execute_model and the two parts of it the layer and the builders change.
-PARTS = ("step", "build", "forward")
+# execute_model, the two parts of it the layer and the builders change, and inside the
+# forward the attention layers' own forwards (summed over the step's layers).
+PARTS = ("step", "build", "forward", "attn")
+
+
+def step_work(spans: Iterable[tuple[int, int]], ratios: Sequence[int]) -> tuple[int, ...]:
+    """A step's work: its token count, then for each compress ratio ``r`` the number of
+    its tokens that close a compressor window (position ``p`` with ``(p + 1) % r == 0``).
+
+    ``spans``: ``(computed, scheduled)`` per request, the step covering positions
+    ``computed .. computed + scheduled - 1``.
+    """
+    spans = list(spans)
+    return (sum(n for _, n in spans),
+            *(sum((c + n) // r - c // r for c, n in spans) for r in ratios))
+
+
+def _spans(scheduler_output: Any) -> Iterator[tuple[int, int]]:
+    """``(num_computed_tokens, num_scheduled_tokens)`` of every request in a vLLM
+    ``SchedulerOutput``."""
+    scheduled = scheduler_output.num_scheduled_tokens
+    for req in scheduler_output.scheduled_new_reqs:
+        yield req.num_computed_tokens, scheduled[req.req_id]
+    cached = scheduler_output.scheduled_cached_reqs
+    for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
+        yield computed, scheduled[req_id]
 
 
 class Sides:
@@ -78,11 +116,13 @@ class Sides:
                        if isinstance(m, DSV4CPUAttention)]
         if not self.layers:
             raise RuntimeError("step-ab: the engine is not running the plugin's layer")
+        self.ratios = sorted({m.compress_ratio for m in self.layers if m.compress_ratio > 1})
         self.indexer_cls = {id(m): type(m.indexer) for m in self.layers
                             if m.indexer is not None}
         swa_cls = backend.get_swa_builder_cls()
         self.swa_builders = [b for groups in runner.attn_groups for g in groups
                              for b in g.metadata_builders if type(b) is swa_cls]
+        self.layer_classes = (DSV4CPUAttention, DeepseekV4CPUAttention)
         self._classes = {
             "plugin": (DSV4CPUAttention, None, swa_cls),
             "vllm": (DeepseekV4CPUAttention, DeepseekV4CPUIndexer,
@@ -105,7 +145,7 @@ class _StepRecorder:
     def __init__(self, sides: Sides) -> None:
         self.sides = sides
         self.alternate = True
-        self.n = 0
+        self._runs: Counter[tuple[int, ...]] = Counter()  # steps per kind of work
         self.steps: list[dict[str, Any]] = []
         self._parts: dict[str, float] = {}
 
@@ -113,6 +153,8 @@ class _StepRecorder:
     def installed(self, runner_cls: type) -> Iterator[None]:
         originals = {name: runner_cls.__dict__[name] for name in
                      ("execute_model", "_build_attention_metadata", "_model_forward")}
+        # Each side's attention layer class (neither forward calls the other's).
+        layer_forwards = {cls: cls.__dict__["forward"] for cls in self.sides.layer_classes}
 
         def timed(name: str, label: str) -> Any:
             fn = originals[name]
@@ -128,9 +170,21 @@ class _StepRecorder:
         build, forward = timed("_build_attention_metadata", "build"), timed("_model_forward",
                                                                               "forward")
 
+        def timed_layer(fn: Any) -> Any:
+            def layer_forward(*args: Any, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self._parts["attn"] = self._parts.get("attn", 0.0) + time.perf_counter() - t0
+            return layer_forward
+
         def execute_model(runner: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-            side = SIDES[self.n % 2] if self.alternate else "plugin"
-            self.n += 1
+            work = step_work(_spans(scheduler_output), self.sides.ratios)
+            side = "plugin"
+            if self.alternate:
+                side = SIDES[self._runs[work] % 2]
+                self._runs[work] += 1
             self.sides.set(side)
             self._parts = {}
             t0 = time.perf_counter()
@@ -138,40 +192,51 @@ class _StepRecorder:
                 return originals["execute_model"](runner, scheduler_output, *args, **kwargs)
             finally:
                 self.steps.append({"side": side, "step": time.perf_counter() - t0,
-                                   "tokens": scheduler_output.total_num_scheduled_tokens,
-                                   **self._parts})
+                                   "tokens": work[0], "work": work, **self._parts})
 
         runner_cls.execute_model = execute_model
         runner_cls._build_attention_metadata = build
         runner_cls._model_forward = forward
+        for cls, fn in layer_forwards.items():
+            cls.forward = timed_layer(fn)
         try:
             yield
         finally:
             for name, fn in originals.items():
                 setattr(runner_cls, name, fn)
+            for cls, fn in layer_forwards.items():
+                cls.forward = fn
             self.sides.set("plugin")
 
 
 def pair_ratios(steps: Sequence[dict[str, Any]], part: str, tokens: int) -> list[float]:
-    """vLLM / plugin of ``part`` for each pair of adjacent ``tokens``-token steps on
-    opposite sides (each step in one pair at most; the same pairs for every part, a pair
-    left out where either step lacks ``part``)."""
-    rows = [s for s in steps if s["tokens"] == tokens]
-    out, i = [], 0
-    while i + 1 < len(rows):
-        a, b = rows[i], rows[i + 1]
-        if a["side"] == b["side"]:
-            i += 1
-            continue
-        p, v = (a, b) if a["side"] == "plugin" else (b, a)
-        if p.get(part) and part in v:
-            out.append(v[part] / p[part])
-        i += 2
-    return out
+    """vLLM / plugin of ``part`` for each pair of consecutive ``tokens``-token steps of
+    the same work (:func:`step_work`; a step without ``"work"`` counts by its tokens)
+    on opposite sides, in the order the pairs started (each step in one pair at most;
+    the same pairs for every part, a pair left out where either step lacks ``part``)."""
+    groups: dict[tuple[int, ...], list[tuple[int, dict[str, Any]]]] = {}
+    for i, s in enumerate(steps):
+        if s["tokens"] == tokens:
+            groups.setdefault(tuple(s.get("work", ())), []).append((i, s))
+    out: list[tuple[int, float]] = []
+    for rows in groups.values():
+        j = 0
+        while j + 1 < len(rows):
+            (i, a), (_, b) = rows[j], rows[j + 1]
+            if a["side"] == b["side"]:
+                j += 1
+                continue
+            p, v = (a, b) if a["side"] == "plugin" else (b, a)
+            if p.get(part) and part in v:
+                out.append((i, v[part] / p[part]))
+            j += 2
+    return [r for _, r in sorted(out)]
 
 
 def summarize(steps: Sequence[dict[str, Any]], tokens: int) -> dict[str, Any]:
-    row: dict[str, Any] = {"tokens": tokens}
+    row: dict[str, Any] = {"tokens": tokens, "closing_steps": {
+        side: sum(1 for s in steps if s["tokens"] == tokens and s["side"] == side
+                  and any(s.get("work", ())[1:])) for side in SIDES}}
     for part in PARTS:
         ratios = pair_ratios(steps, part, tokens)
         lo, hi = median_ci(ratios) if ratios else (None, None)
@@ -201,7 +266,7 @@ def _runner(llm: Any) -> Any:
 
 
 def run(*, flash_shaped: bool = False, batches: Sequence[int] = (1, 8, 32),
-        prefill: int = 1024, output_len: int = 64, requests: int = 6,
+        prefill: int = 1024, output_len: int = 64, requests: int = 6, context: int = 16,
         progress: Any = sys.stderr) -> dict[str, Any]:
     """Run every case in one engine; returns the JSON-able result."""
     from vllm_dsv4_backend import envs
@@ -220,7 +285,7 @@ def run(*, flash_shaped: bool = False, batches: Sequence[int] = (1, 8, 32),
     tmp = Path(tempfile.mkdtemp(prefix="dsv4-step-ab-"))
     model = flash_shaped_model(tmp) if flash_shaped else TINY_MODEL
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    llm = _engine(LLM, model, max(batches), max(prefill + 16, 2048))
+    llm = _engine(LLM, model, max(batches), max(prefill + 16, context + output_len + 16, 2048))
     runner = _runner(llm)
     rec = _StepRecorder(Sides(runner))
     rng = random.Random(0)
@@ -240,14 +305,14 @@ def run(*, flash_shaped: bool = False, batches: Sequence[int] = (1, 8, 32),
         decode = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
         for b in batches:
             say(f"decode b{b}: 1 warm-up + {requests} generations of {output_len} tokens")
-            fixed = prompts(b, 16)
+            fixed = prompts(b, context)
             rec.alternate = False
             want = [o.outputs[0].token_ids for o in llm.generate(fixed, decode, use_tqdm=False)]
             rec.alternate, rec.steps = True, []
             got = [o.outputs[0].token_ids for o in llm.generate(fixed, decode, use_tqdm=False)]
             identical[f"decode_b{b}"] = got == want
             for _ in range(requests):
-                llm.generate(prompts(b, 16), decode, use_tqdm=False)
+                llm.generate(prompts(b, context), decode, use_tqdm=False)
             rows.append({"case": f"decode_b{b}", **summarize(rec.steps, b)})
         say(f"prefill {prefill}: {4 * requests} one-token requests")
         one = SamplingParams(temperature=0.0, max_tokens=1)
@@ -260,15 +325,16 @@ def run(*, flash_shaped: bool = False, batches: Sequence[int] = (1, 8, 32),
 
     return {"schema": SCHEMA, "model": "flash-shaped" if flash_shaped else "tiny",
             "threads": torch.get_num_threads(), "requests": requests,
-            "output_len": output_len, "rows": rows, "tokens_identical": identical,
-            "wall_s": time.monotonic() - t0}
+            "output_len": output_len, "context": context, "rows": rows,
+            "tokens_identical": identical, "wall_s": time.monotonic() - t0}
 
 
 def format_result(res: dict[str, Any]) -> str:
     lines = [(f"engine-step A/B ({res['model']} model, {res['threads']} thread(s)): ratio = "
-              "vLLM side / plugin side per pair of adjacent steps (>= 1: plugin at least as "
-              "fast), median and its 95% CI; step = execute_model, build = every metadata "
-              "builder, forward = the model forward"),
+              "vLLM side / plugin side per pair of consecutive steps of the same work (>= 1: "
+              "plugin at least as fast), median and its 95% CI; step = execute_model, build = "
+              "every metadata builder, forward = the model forward, attn = its attention layers' "
+              "forwards"),
              (f"{'case':<14}{'part':<9}{'pairs':>6}{'plugin ms':>11}{'vLLM ms':>10}"
               f"{'ratio':>8}{'median CI':>16}  verdict")]
     for r in res["rows"]:
@@ -284,6 +350,9 @@ def format_result(res: dict[str, Any]) -> str:
                          f"{x['verdict']}")
     same = ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in res["tokens_identical"].items())
     lines.append(f"tokens of an alternating run equal the plugin-only run: {same}")
+    closing = ", ".join(f"{r['case']} {r['closing_steps']['plugin']}/{r['closing_steps']['vllm']}"
+                        for r in res["rows"])
+    lines.append(f"steps where a token closes a compressor window, plugin/vLLM: {closing}")
     return "\n".join(lines)
 
 
@@ -292,17 +361,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_shape_args(p)
     p.add_argument("--prefill", type=int, default=1024, help="prompt tokens of the prefill case")
     p.add_argument("--output-len", type=int, default=64, help="tokens per decode request")
+    p.add_argument("--context", type=int, default=16, help="prompt tokens per decode request")
     p.add_argument("--requests", type=int, default=6,
                    help="generations per decode case (4x as many prefills; default 6)")
     p.add_argument("--json", help="write the result here")
     args = p.parse_args(argv)
     batches = parse_batches(args.batches)
     if not batches or min(batches) < 1 or args.requests < 1 or args.output_len < 2 \
-            or args.prefill < 1:
-        p.error("--batches, --requests, --prefill must be positive, --output-len >= 2")
+            or args.prefill < 1 or args.context < 1:
+        p.error("--batches, --requests, --prefill, --context must be positive, "
+                "--output-len >= 2")
     try:
         res = run(flash_shaped=args.flash_shaped, batches=batches, prefill=args.prefill,
-                  output_len=args.output_len, requests=args.requests)
+                  output_len=args.output_len, requests=args.requests, context=args.context)
     except (ValueError, RuntimeError) as e:
         print(f"step-ab failed: {e}", file=sys.stderr)
         return 3

@@ -89,25 +89,33 @@ _logged_kinds: set[str] = set()
 
 
 class _StepTables:
-    """Per-model cache of one step's layer-independent slot tables.
+    """Per-model cache of one step's slot tables, one per table kind and
+    metadata object.
 
-    Cleared by the model's first attention layer at the start of every step,
-    and an entry is reused only for the very same metadata and positions
-    objects, so a table can never outlive the step it was built for.
+    A table depends on the step's positions and on one KV cache group's
+    metadata (its block table). Layers of the same group get the same
+    metadata object; a model has several groups (the tiny model's SWA caches
+    form two, layers 0/2 and 1/3), so the cache keeps one entry per kind and
+    metadata object, not one per kind (that thrashed: every layer rebuilt its
+    window table). Cleared by the model's first attention layer at the start of
+    every step, and an entry holds its metadata and positions objects and is
+    reused only for those very objects, so a table can never outlive the step
+    it was built for.
     """
 
     def __init__(self) -> None:
-        self._entries: dict[str, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        self._entries: dict[tuple[str, int, int], tuple[Any, torch.Tensor, torch.Tensor]] = {}
 
     def clear(self) -> None:
         self._entries.clear()
 
     def get(self, kind: str, md: Any, positions: torch.Tensor, build: Any) -> torch.Tensor:
-        hit = self._entries.get(kind)
+        key = (kind, id(md), id(positions))
+        hit = self._entries.get(key)
         if hit is not None and hit[0] is md and hit[1] is positions:
             return hit[2]
         value = build()
-        self._entries[kind] = (md, positions, value)
+        self._entries[key] = (md, positions, value)
         return value
 
 
@@ -597,7 +605,8 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         the group-major bf16 ``wo_a`` input and then ``wo_b``'s token-major
         input in the ``q.out`` lease (free once the inverse RoPE has read
         ``o``), the bmm output in the fp32 inverse-RoPE result (dead once
-        copied). The same casts and copies in the same order: the same bytes."""
+        copied). The same casts and copies in the same order: the same bytes.
+        Where vLLM's ``flatten`` is a view (one token), so is the plugin's."""
         step = self._step
         num_tokens, num_heads, head_dim = o.shape
         groups, rank = self.n_local_groups, self.o_lora_rank
@@ -615,9 +624,13 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         z = z.view(groups, num_tokens, rank)
         assert self._wo_a_packed is not None
         vllm_ops.bmm_cpu(z, x, self._wo_a_packed, True, None)
-        z_tokens = scratch[: num_tokens * groups * rank].view(num_tokens, groups, rank)
-        z_tokens.copy_(z.transpose(0, 1))
-        return self.wo_b(z_tokens.view(num_tokens, groups * rank))
+        z_tokens = z.transpose(0, 1)
+        # One token (or one group): the token-major view is already contiguous
+        # and vLLM's flatten copies nothing either.
+        if not z_tokens.is_contiguous():
+            z_tokens = scratch[: num_tokens * groups * rank].view(
+                num_tokens, groups, rank).copy_(z_tokens)
+        return self.wo_b(z_tokens.reshape(num_tokens, groups * rank))
 
     def _window_slots(self, swa_md: Any, positions: torch.Tensor) -> torch.Tensor:
         """vLLM's causal sliding-window slot table ``[T, W]`` (int64, -1 pads),
