@@ -22,11 +22,10 @@ blocks a few seconds apart do not: ``e2e_layers``). Per step it records the time
 ``execute_model``, and inside it of ``_build_attention_metadata`` (every group's
 builder), ``_model_forward`` and, inside that, the attention layers' ``forward``
 (``attn``, summed over the step's layers: the layer-level figure, in real steps); the
-ratio vLLM / plugin (>= 1: the plugin at least
-as fast) of each pair of steps doing the same work, their median and its 95%
-confidence interval. The layers are bitwise equal, so the generation is the same
-whichever side runs a step: the bench checks that its tokens equal a run with the
-plugin's side only.
+ratio vLLM / plugin (>= 1: the plugin at least as fast) of each pair of steps doing the
+same work, their median and its 95% confidence interval. The layers are bitwise equal,
+so the generation is the same whichever side runs a step: the bench checks that its
+tokens equal a run with the plugin's side only.
 
 "The same work" is more than the token count. A compressed layer's compressor does
 its real work (compress, norm, RoPE, store) only in a step where a token closes a
@@ -314,11 +313,11 @@ def run(*, flash_shaped: bool = False, batches: Sequence[int] = (1, 8, 32),
             for _ in range(requests):
                 llm.generate(prompts(b, context), decode, use_tqdm=False)
             rows.append({"case": f"decode_b{b}", **summarize(rec.steps, b)})
-        say(f"prefill {prefill}: {4 * requests} one-token requests")
+        say(f"prefill {prefill}: {8 * requests} one-token requests")
         one = SamplingParams(temperature=0.0, max_tokens=1)
         llm.generate(prompts(1, prefill), one, use_tqdm=False)
         rec.steps = []
-        for _ in range(4 * requests):
+        for _ in range(8 * requests):
             llm.generate(prompts(1, prefill), one, use_tqdm=False)
         rows.append({"case": f"prefill_{prefill}", **summarize(rec.steps, prefill)})
     import torch
@@ -363,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=64, help="tokens per decode request")
     p.add_argument("--context", type=int, default=16, help="prompt tokens per decode request")
     p.add_argument("--requests", type=int, default=6,
-                   help="generations per decode case (4x as many prefills; default 6)")
+                   help="generations per decode case (8x as many prefills; default 6)")
     p.add_argument("--json", help="write the result here")
     args = p.parse_args(argv)
     batches = parse_batches(args.batches)

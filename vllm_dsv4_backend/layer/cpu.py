@@ -543,8 +543,8 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         swa_md = attn_metadata.get(self.swa_cache_layer.prefix)
         tables = _step_tables[id(self._workspace)]
         # The window table and C128's "every visible entry" table depend only on
-        # the step's metadata and positions: built by the first layer that needs
-        # them, reused by the others (vLLM builds them in every layer).
+        # the step's positions and the layer's cache group: built by the group's
+        # first layer, reused by its others (vLLM builds them in every layer).
         window_slots = tables.get(
             "window", swa_md, positions, lambda: self._window_slots(swa_md, positions)
         )
