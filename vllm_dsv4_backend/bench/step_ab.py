@@ -155,9 +155,7 @@ class _StepRecorder:
         # Each side's attention layer class (neither forward calls the other's).
         layer_forwards = {cls: cls.__dict__["forward"] for cls in self.sides.layer_classes}
 
-        def timed(name: str, label: str) -> Any:
-            fn = originals[name]
-
+        def timed(fn: Any, label: str) -> Any:
             def wrapper(*args: Any, **kwargs: Any) -> Any:
                 t0 = time.perf_counter()
                 try:
@@ -166,17 +164,8 @@ class _StepRecorder:
                     self._parts[label] = self._parts.get(label, 0.0) + time.perf_counter() - t0
             return wrapper
 
-        build, forward = timed("_build_attention_metadata", "build"), timed("_model_forward",
-                                                                              "forward")
-
-        def timed_layer(fn: Any) -> Any:
-            def layer_forward(*args: Any, **kwargs: Any) -> Any:
-                t0 = time.perf_counter()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    self._parts["attn"] = self._parts.get("attn", 0.0) + time.perf_counter() - t0
-            return layer_forward
+        build = timed(originals["_build_attention_metadata"], "build")
+        forward = timed(originals["_model_forward"], "forward")
 
         def execute_model(runner: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
             work = step_work(_spans(scheduler_output), self.sides.ratios)
@@ -197,7 +186,7 @@ class _StepRecorder:
         runner_cls._build_attention_metadata = build
         runner_cls._model_forward = forward
         for cls, fn in layer_forwards.items():
-            cls.forward = timed_layer(fn)
+            cls.forward = timed(fn, "attn")
         try:
             yield
         finally:
