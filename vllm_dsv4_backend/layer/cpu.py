@@ -339,6 +339,8 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         self._first_layer = next(iter(self._workspace.layers)) == self.prefix
         # Resolved once: the forward path reads no setting and imports nothing.
         self._layer_name_arg = _encode_layer_name(self.prefix)
+        # Without DBO every step is micro-batch 0: no per-layer thread lookup.
+        self._ubatched = self._workspace.config.num_ubatches > 1
         self._markers = envs.VLLM_DSV4_MARKER_DIR is not None
         self._win_offsets: torch.Tensor | None = None
 
@@ -369,7 +371,8 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         num_tokens = hidden_states.shape[0]
         if self._first_layer:
             _step_tables[id(self._workspace)].clear()
-        with eager.Step(self._workspace, self.prefix, num_tokens, _ubatch_id()) as step:
+        ubatch = _ubatch_id() if self._ubatched else 0
+        with eager.Step(self._workspace, self.prefix, num_tokens, ubatch) as step:
             self._step = step
             try:
                 o_padded = step.lease("q")["out"]
