@@ -2,11 +2,14 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The CPU layer's slot tables equal vLLM's, value for value.
 
-``layer/cpu.py`` builds the sliding-window and compressed slot tables with
-fewer ops than vLLM's ``DeepseekV4CPUAttention.forward_mqa`` (and shares them
-across the step's layers); the sparse-MLA kernel then reads exactly the same
-slots only if every entry, -1 pads included, is identical. The oracle is
-vLLM's own ``map_local_to_global_slots_cpu`` and vLLM's window formula.
+``layer/cpu.py`` builds the sliding-window and compressed slot tables, the
+compressors' gather tables and the short-context top-k rows with fewer ops
+than vLLM's ``DeepseekV4CPUAttention.forward_mqa``,
+``DeepseekV4CPUCompressor.forward`` and
+``DeepseekV4CPUIndexer._fill_short_context_topk`` (and shares them across the
+step's layers); the kernels then read exactly the same slots only if every
+entry, -1 pads included, is identical. The oracle is vLLM's own
+``map_local_to_global_slots_cpu`` and vLLM's formulas, run here.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
+from vllm.models.deepseek_v4.cpu.cpu_sparse import DeepseekV4CPUIndexer  # noqa: E402
 from vllm.models.deepseek_v4.cpu.cpu_utils import map_local_to_global_slots_cpu  # noqa: E402
 
 from vllm_dsv4_backend.layer import cpu as cpu_layer  # noqa: E402
@@ -92,3 +96,54 @@ def test_step_tables_keep_one_table_per_cache_group() -> None:
     tables.clear()
     get(md_a)
     assert builds == ["a", "b", "a"]
+
+
+@pytest.mark.parametrize("window", [4, 8, 128])
+def test_compressor_gather_slots_equal_vllm(window):
+    # vLLM 0.32 DeepseekV4CPUCompressor.forward's gather table; windows of C4
+    # without / with overlap and of C128. Early positions reach before position
+    # 0 (-1 entries); the state cache's token_to_req may be longer than the
+    # step's tokens (vLLM slices it to slot_mapping's length).
+    gen = torch.Generator().manual_seed(window)
+    reqs, block_size, blocks = 3, 8, 40
+    table = _block_table(gen, reqs, blocks)
+    positions = torch.cat([torch.arange(0, window + 1),
+                           torch.randint(0, blocks * block_size - 1, (20,), generator=gen)])
+    n = positions.shape[0]
+    req = torch.randint(0, reqs, (n + 5,), generator=gen, dtype=torch.int32)
+    md = SimpleNamespace(block_size=block_size, block_table=table, token_to_req_indices=req,
+                         slot_mapping=torch.zeros(n, dtype=torch.int64))
+    win_local = positions.unsqueeze(-1) - window + 1 + torch.arange(window)
+    want = map_local_to_global_slots_cpu(win_local, req[:n], table, block_size)
+    compressor = SimpleNamespace()
+    got = cpu_layer.DSV4Compressor._gather_slots(compressor, md, positions, window)
+    assert got.dtype == want.dtype == torch.int64
+    assert torch.equal(got, want)
+    assert (got[0, : window - 1] == -1).all()
+    # Second call reuses the cached offsets.
+    assert torch.equal(cpu_layer.DSV4Compressor._gather_slots(compressor, md, positions, window),
+                       want)
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_short_context_rows_equal_vllm_fill(ratio):
+    # vLLM's fill writes buffer[:n, :topk]; the plugin copies its rows into the
+    # same place. Everything outside that block must stay untouched (sentinel),
+    # padded positions beyond n must not count.
+    topk, n = 16, 9
+    positions = torch.tensor([0, 2, 3, 4, 7, 8, 63, 64, 10_000, 5, 5], dtype=torch.int64)
+    sentinel = 12345
+
+    def indexer() -> SimpleNamespace:
+        return SimpleNamespace(topk_tokens=topk, compress_ratio=ratio,
+                               topk_indices_buffer=torch.full((12, topk + 3), sentinel,
+                                                              dtype=torch.int32))
+
+    want, mine = indexer(), indexer()
+    DeepseekV4CPUIndexer._fill_short_context_topk(want, positions, n)
+    rows = cpu_layer.DSV4Indexer._visible_rows(mine, positions, n)
+    mine.topk_indices_buffer[:n, :topk] = rows
+    assert rows.dtype == torch.int32
+    assert torch.equal(mine.topk_indices_buffer, want.topk_indices_buffer)
+    assert (want.topk_indices_buffer[0, :topk] == -1).all()  # nothing visible at p = 0
+    assert (want.topk_indices_buffer[n:] == sentinel).all()

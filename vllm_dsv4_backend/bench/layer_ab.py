@@ -89,6 +89,27 @@ def _cpu_allocations(fn: Any) -> tuple[int, int]:
     return count, nbytes
 
 
+def swapped_parts(layer: Any) -> list[tuple[Any, type, type]]:
+    """``(module, plugin class, vLLM class)`` for the plugin's attention module
+    and each submodule whose class the plugin swaps (indexer, compressors): the
+    vLLM class is the first of the module's bases that vLLM defines."""
+    parts = []
+    indexer = getattr(layer, "indexer", None)
+    for m in (layer, indexer, getattr(layer, "compressor", None),
+              getattr(indexer, "compressor", None)):
+        if m is not None:
+            cls = type(m)
+            vllm_cls = next(c for c in cls.__mro__ if c.__module__.startswith("vllm."))
+            parts.append((m, cls, vllm_cls))
+    return parts
+
+
+def set_classes(parts: Sequence[tuple[Any, type, type]], side: str) -> None:
+    """Switch ``parts`` (:func:`swapped_parts`) to the plugin's or vLLM's classes."""
+    for m, plugin_cls, vllm_cls in parts:
+        m.__class__ = plugin_cls if side == "plugin" else vllm_cls
+
+
 class _Recorder:
     """Hooks ``DSV4CPUAttention.forward`` and records A/B pairs per case."""
 
@@ -105,28 +126,24 @@ class _Recorder:
     def installed(self) -> Iterator[None]:
         import torch
         from vllm.forward_context import get_forward_context
-        from vllm.models.deepseek_v4.cpu.cpu_sparse import (
-            DeepseekV4CPUAttention,
-            DeepseekV4CPUIndexer,
-        )
+        from vllm.models.deepseek_v4.cpu.cpu_sparse import DeepseekV4CPUAttention
 
         from vllm_dsv4_backend.layer.cpu import DSV4CPUAttention
 
         plugin_forward = DSV4CPUAttention.forward
+        parts: dict[int, list[tuple[Any, type, type]]] = {}
 
         @contextlib.contextmanager
         def as_vllm_layer(layer: Any) -> Iterator[None]:
             # The same module, dispatching to vLLM's methods for one call.
-            indexer_cls = type(layer.indexer) if layer.indexer is not None else None
-            layer.__class__ = DeepseekV4CPUAttention
-            if indexer_cls is not None:
-                layer.indexer.__class__ = DeepseekV4CPUIndexer
+            mine = parts.get(id(layer))
+            if mine is None:
+                mine = parts[id(layer)] = swapped_parts(layer)
+            set_classes(mine, "vllm")
             try:
                 yield
             finally:
-                layer.__class__ = DSV4CPUAttention
-                if indexer_cls is not None:
-                    layer.indexer.__class__ = indexer_cls
+                set_classes(mine, "plugin")
 
         def vllm_forward(layer: Any, positions: Any, hidden: Any) -> Any:
             with as_vllm_layer(layer):

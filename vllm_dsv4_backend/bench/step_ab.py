@@ -8,12 +8,12 @@ uniprocess executor) with the plugin's layer. Before every engine step
 (``execute_model``) the bench switches the whole model to one side, the other side
 for the next step:
 
-* ``plugin``: the plugin's ``DSV4CPUAttention`` / ``DSV4Indexer`` classes and its
-  sliding-window metadata builder;
+* ``plugin``: the plugin's ``DSV4CPUAttention`` / ``DSV4Indexer`` /
+  ``DSV4Compressor`` classes and its sliding-window metadata builder;
 * ``vllm``: the same modules with their classes set to vLLM's
-  ``DeepseekV4CPUAttention`` / ``DeepseekV4CPUIndexer``, and vLLM's
-  ``DeepseekV4CPUSparseSWAMetadataBuilder`` (the compressed caches' builder is
-  vLLM's on both sides).
+  ``DeepseekV4CPUAttention`` / ``DeepseekV4CPUIndexer`` /
+  ``DeepseekV4CPUCompressor``, and vLLM's ``DeepseekV4CPUSparseSWAMetadataBuilder``
+  (the compressed caches' builder is vLLM's on both sides).
 
 Same weights, caches and requests; each step is one real forward of every layer, so
 nothing is repeated or warmer on one side. Adjacent steps are ~10 ms apart, close
@@ -66,6 +66,8 @@ from vllm_dsv4_backend.bench.layer_ab import (
     add_shape_args,
     flash_shaped_model,
     parse_batches,
+    set_classes,
+    swapped_parts,
 )
 
 SCHEMA = "vllm-dsv4-step-ab/2"  # 2: pairs of the same work, closing_steps
@@ -103,10 +105,7 @@ class Sides:
 
     def __init__(self, runner: Any) -> None:
         from vllm.models.deepseek_v4.cpu.cpu_mla import DeepseekV4CPUSparseSWAMetadataBuilder
-        from vllm.models.deepseek_v4.cpu.cpu_sparse import (
-            DeepseekV4CPUAttention,
-            DeepseekV4CPUIndexer,
-        )
+        from vllm.models.deepseek_v4.cpu.cpu_sparse import DeepseekV4CPUAttention
 
         from vllm_dsv4_backend import backend
         from vllm_dsv4_backend.layer.cpu import DSV4CPUAttention
@@ -116,26 +115,18 @@ class Sides:
         if not self.layers:
             raise RuntimeError("step-ab: the engine is not running the plugin's layer")
         self.ratios = sorted({m.compress_ratio for m in self.layers if m.compress_ratio > 1})
-        self.indexer_cls = {id(m): type(m.indexer) for m in self.layers
-                            if m.indexer is not None}
+        self.parts = [p for m in self.layers for p in swapped_parts(m)]
         swa_cls = backend.get_swa_builder_cls()
         self.swa_builders = [b for groups in runner.attn_groups for g in groups
                              for b in g.metadata_builders if type(b) is swa_cls]
         self.layer_classes = (DSV4CPUAttention, DeepseekV4CPUAttention)
-        self._classes = {
-            "plugin": (DSV4CPUAttention, None, swa_cls),
-            "vllm": (DeepseekV4CPUAttention, DeepseekV4CPUIndexer,
-                     DeepseekV4CPUSparseSWAMetadataBuilder),
-        }
+        self._builder_classes = {"plugin": swa_cls,
+                                 "vllm": DeepseekV4CPUSparseSWAMetadataBuilder}
 
     def set(self, side: str) -> None:
-        layer_cls, indexer_cls, builder_cls = self._classes[side]
-        for m in self.layers:
-            m.__class__ = layer_cls
-            if m.indexer is not None:
-                m.indexer.__class__ = indexer_cls or self.indexer_cls[id(m)]
+        set_classes(self.parts, side)
         for b in self.swa_builders:
-            b.__class__ = builder_cls
+            b.__class__ = self._builder_classes[side]
 
 
 class _StepRecorder:

@@ -34,10 +34,20 @@ lease, store the indexer compressor's entries and compute logits + top-k.
 plugin's torch sparse MLA (for comparison); everything else stays vLLM's.
 
 Every lease belongs to one :class:`vllm_dsv4_backend.eager.Step` per layer
-and forward, released together on exit, exception or not. The methods whose
-bodies are vLLM's with only the buffers changed are listed (with a
-fingerprint of vLLM's source) in :data:`COPIED_VLLM_BODIES`;
-:mod:`vllm_dsv4_backend.vllm_compat` checks them when it installs the layer.
+and forward, released together on exit, exception or not.
+
+The index tables vLLM's layer rebuilds in every layer depend only on the
+step's positions and one KV cache group's metadata: the sliding-window slot
+table, C128's and short-context C4's compressed slot tables, the compressors'
+gather tables (:class:`DSV4Compressor`) and the short-context top-k rows
+(:class:`DSV4Indexer`). The plugin builds each once per step and cache group
+(:class:`_StepTables`), with fewer ops and the same values, and every layer
+reads it from there; the kernels get the same inputs.
+
+The methods whose bodies are vLLM's with only the buffers and the step's
+tables changed are listed (with a fingerprint of vLLM's source) in
+:data:`COPIED_VLLM_BODIES`; :mod:`vllm_dsv4_backend.vllm_compat` checks them
+when it installs the layer.
 """
 
 from __future__ import annotations
@@ -69,8 +79,10 @@ logger = init_logger(__name__)
 
 __all__ = ["COPIED_VLLM_BODIES", "DSV4CPUAttention", "layer_cls"]
 
-# vLLM methods whose body the plugin's override repeats with only the output
-# buffers changed: "module:qualname". vllm_compat fingerprints them at install.
+# vLLM functions whose body the plugin's override repeats with only the output
+# buffers and the step's tables changed, or whose values a plugin function
+# reproduces in fewer ops: "module:qualname". vllm_compat fingerprints them at
+# install.
 COPIED_VLLM_BODIES: tuple[str, ...] = (
     "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention.forward",
     "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention.forward_mqa",
@@ -79,6 +91,8 @@ COPIED_VLLM_BODIES: tuple[str, ...] = (
     "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUIndexer.forward",
     "vllm.models.deepseek_v4.cpu.cpu_sparse:_fused_indexer_q_rope_quant_cpu",
     "vllm.models.deepseek_v4.cpu.cpu_compressor:DeepseekV4CPUCompressor.forward",
+    "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUIndexer._fill_short_context_topk",
+    "vllm.models.deepseek_v4.cpu.cpu_utils:map_local_to_global_slots_cpu",
     "vllm.model_executor.layers.sparse_attn_indexer:SparseAttnIndexer.forward_cpu",
 )
 
@@ -89,8 +103,9 @@ _logged_kinds: set[str] = set()
 
 
 class _StepTables:
-    """Per-model cache of one step's slot tables, one per table kind and
-    metadata object.
+    """Per-model cache of one step's index tables (slot tables, compressor
+    gather tables, short-context top-k rows), one per table kind and metadata
+    object. The tables are read-only inputs of the kernels and copies.
 
     A table depends on the step's positions and on one KV cache group's
     metadata (its block table). Layers of the same group get the same
@@ -210,21 +225,75 @@ def _sparse_mla_path(kernel: str) -> str:
 
 
 class DSV4Compressor(DeepseekV4CPUCompressor):
-    """vLLM's CPU compressor for the indexer branch of an MXFP4 indexer cache.
+    """vLLM's CPU compressor (``DeepseekV4CPUCompressor.forward``: the same ops
+    on the same arguments, in its order) with two changes:
 
-    vLLM's ``compress_norm_rope_store_indexer_cpu`` writes only the FP8
-    (132 B) layout; this class runs vLLM's ``forward`` with the store swapped
-    for the plugin's MXFP4 (68 B) writer. The state update
-    (``save_partial_states_cpu``) and every argument stay vLLM's.
+    * its gather table (each token's compression window as global state-cache
+      slots) is one of the step's tables: it depends only on the step's
+      positions, the window and the state cache group's metadata, so the
+      group's first layer builds it and its other layers reuse it (vLLM
+      builds it in every compressor), in fewer ops with the same int64 values;
+    * an MXFP4 indexer cache stores with the plugin's 68 B writer, because
+      vLLM's ``compress_norm_rope_store_indexer_cpu`` writes only the FP8
+      (132 B) layout.
+
+    The ops are looked up in vLLM's module at call time, as vLLM's body does.
     """
 
+    # Set by DSV4CPUAttention (plain attributes, see DSV4Indexer).
+    _dsv4_tables: _StepTables
+    _dsv4_mxfp4_store: bool
+
     def forward(self, kv_score: torch.Tensor, positions: torch.Tensor, rotary_emb) -> None:
-        original = vllm_cpu_compressor.compress_norm_rope_store_indexer_cpu
-        vllm_cpu_compressor.compress_norm_rope_store_indexer_cpu = _mxfp4_indexer_store
-        try:
-            super().forward(kv_score, positions, rotary_emb)
-        finally:
-            vllm_cpu_compressor.compress_norm_rope_store_indexer_cpu = original
+        kv, score = kv_score.split(
+            [self.coff * self.head_dim, self.coff * self.head_dim], dim=-1
+        )
+        attn_metadata = get_forward_context().attn_metadata
+        if not isinstance(attn_metadata, dict):
+            return
+        state_md = attn_metadata[self.state_cache.prefix]
+        state_cache = self.state_cache.kv_cache
+        ops = vllm_cpu_compressor
+        ops.save_partial_states_cpu(
+            kv, score, self.ape, positions, state_cache, state_md.slot_mapping
+        )
+        k_cache_md = attn_metadata[self.k_cache_prefix]
+        kv_cache = self._static_forward_context[self.k_cache_prefix].kv_cache
+        window = (1 + self.overlap) * self.compress_ratio
+        gather_slots = self._dsv4_tables.get(
+            f"gather{window}", state_md, positions,
+            lambda: self._gather_slots(state_md, positions, window),
+        )
+        if self.head_dim == 512:
+            store = ops.compress_norm_rope_store_cpu
+        elif self._dsv4_mxfp4_store:
+            store = _mxfp4_indexer_store
+        else:
+            store = ops.compress_norm_rope_store_indexer_cpu
+        store(
+            state_cache,
+            gather_slots,
+            positions,
+            k_cache_md.slot_mapping,
+            self._norm_weight_fp32,
+            self.rms_norm_eps,
+            rotary_emb.cos_sin_cache,
+            kv_cache.view(kv_cache.shape[0], -1),
+            kv_cache.shape[1],
+            self.compress_ratio,
+        )
+
+    def _gather_slots(self, state_md: Any, positions: torch.Tensor, window: int) -> torch.Tensor:
+        """vLLM's ``map_local_to_global_slots_cpu`` of the window
+        ``p - window + 1 .. p`` of every token (-1 before position 0)."""
+        offsets = self.__dict__.get("_dsv4_offsets")
+        if offsets is None or offsets.device != positions.device:
+            offsets = torch.arange(window, device=positions.device)
+            self.__dict__["_dsv4_offsets"] = offsets
+        local = (positions - (window - 1)).unsqueeze(-1) + offsets
+        num_actual = state_md.slot_mapping.shape[0]
+        return _map_slots(local, state_md.token_to_req_indices[:num_actual],
+                          state_md.block_table, state_md.block_size)
 
 
 def _mxfp4_indexer_store(*args: Any) -> None:
@@ -295,6 +364,28 @@ class DSV4Indexer(DeepseekV4CPUIndexer):
         self.compressor(compressed_kv_score, positions, rotary_emb)
         return q_out, q_scale, w_out
 
+    def _fill_short_context_topk(self, positions: torch.Tensor, num_tokens: int) -> None:
+        """vLLM's fill of the model-wide top-k buffer with every visible entry
+        (``-1`` past ``(p + 1) // compress_ratio``). The rows depend only on the
+        step's positions, so they are one of the step's tables: built by the
+        step's first C4 layer, copied in by every C4 layer (each still writes
+        the buffer, as vLLM's does)."""
+        md = get_forward_context().attn_metadata[self.k_cache.prefix]
+        rows = self._dsv4_owner._tables.get(
+            "c4_fill", md, positions, lambda: self._visible_rows(positions, num_tokens)
+        )
+        self.topk_indices_buffer[:num_tokens, : self.topk_tokens] = rows
+
+    def _visible_rows(self, positions: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        buf = self.topk_indices_buffer
+        arange = self.__dict__.get("_dsv4_arange")
+        if arange is None or arange.device != buf.device:
+            arange = torch.arange(self.topk_tokens, device=buf.device, dtype=buf.dtype)
+            self.__dict__["_dsv4_arange"] = arange
+        visible = torch.div(positions[:num_tokens] + 1, self.compress_ratio,
+                            rounding_mode="floor")
+        return torch.where(arange < visible.unsqueeze(-1), arange, -1)
+
 
 class DSV4CPUAttention(DeepseekV4CPUAttention):
     """DeepSeek-V4 attention served by the plugin (CPU build of vLLM 0.32)."""
@@ -320,6 +411,7 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         self.layer_kind = layer_kind(self.compress_ratio)
         self._workspace = workspace_manager_for(vllm_config, self)
         self._workspace.add_layer(self.prefix, self.compress_ratio)
+        self._tables = _step_tables[id(self._workspace)]
         self._step: eager.Step | None = None
         if self.indexer is not None:
             self.indexer.__class__ = DSV4Indexer
@@ -327,8 +419,13 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
             # Not nn.Module.__setattr__: that would register the parent as the
             # indexer's submodule (a cycle that recurses in .train()/.eval()).
             object.__setattr__(self.indexer, "_dsv4_owner", self)
-            if self.indexer_kv_dtype == "mxfp4":
-                self.indexer.compressor.__class__ = DSV4Compressor
+        for compressor in (self.compressor, getattr(self.indexer, "compressor", None)):
+            if compressor is not None:
+                compressor.__class__ = DSV4Compressor
+                object.__setattr__(compressor, "_dsv4_tables", self._tables)
+                object.__setattr__(compressor, "_dsv4_mxfp4_store",
+                                   compressor is not self.compressor
+                                   and self.indexer_kv_dtype == "mxfp4")
         self.index_topk = int(vllm_config.model_config.hf_config.index_topk)
         # "torch" forces the plugin's torch sparse MLA; anything else calls
         # the op vLLM's layer calls (the real C++ kernel, or its registered
@@ -370,7 +467,7 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         # layer and step.
         num_tokens = hidden_states.shape[0]
         if self._first_layer:
-            _step_tables[id(self._workspace)].clear()
+            self._tables.clear()
         ubatch = _ubatch_id() if self._ubatched else 0
         with eager.Step(self._workspace, self.prefix, num_tokens, ubatch) as step:
             self._step = step
@@ -544,7 +641,7 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
             output.zero_()
             return
         swa_md = attn_metadata.get(self.swa_cache_layer.prefix)
-        tables = _step_tables[id(self._workspace)]
+        tables = self._tables
         # The window table and C128's "every visible entry" table depend only on
         # the step's positions and the layer's cache group: built by the group's
         # first layer, reused by its others (vLLM builds them in every layer).

@@ -41,6 +41,10 @@ KNOWN: dict[str, dict[str, str]] = {
             "b0e50b53066c094b",
         "vllm.models.deepseek_v4.cpu.cpu_compressor:DeepseekV4CPUCompressor.forward":
             "fdb4c92a793e7a23",
+        "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUIndexer._fill_short_context_topk":
+            "3360905bf28beb17",
+        "vllm.models.deepseek_v4.cpu.cpu_utils:map_local_to_global_slots_cpu":
+            "048fa28e5e24680a",
         "vllm.model_executor.layers.sparse_attn_indexer:SparseAttnIndexer.forward_cpu":
             "bf2fb77b5fa5bdf2",
     },
