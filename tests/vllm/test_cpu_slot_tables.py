@@ -31,6 +31,17 @@ def _block_table(gen: torch.Generator, reqs: int, blocks: int) -> torch.Tensor:
         reqs, blocks).to(torch.int32)
 
 
+def _window_case(window: int, reqs: int, block_size: int, blocks: int, *, early: int,
+                 deep: int) -> tuple[torch.Generator, torch.Tensor, torch.Tensor]:
+    """(generator, block table, positions): positions ``0 .. early - 1`` (windows
+    reaching before position 0), then ``deep`` random ones inside the blocks."""
+    gen = torch.Generator().manual_seed(window)
+    table = _block_table(gen, reqs, blocks)
+    positions = torch.cat([torch.arange(0, early),
+                           torch.randint(0, blocks * block_size - 1, (deep,), generator=gen)])
+    return gen, table, positions
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("block_size", [1, 64, 256])
 def test_map_slots_equals_vllm(dtype, block_size):
@@ -57,12 +68,10 @@ def _vllm_window_slots(window, positions, req, table, block_size):
 
 @pytest.mark.parametrize("window", [1, 4, 128])
 def test_window_slots_equal_vllm(window):
-    gen = torch.Generator().manual_seed(window)
     reqs, block_size, blocks = 4, 16, 20
-    table = _block_table(gen, reqs, blocks)
     # Positions 0..W-2 (partial windows), exactly W-1, and deep into a request.
-    positions = torch.cat([torch.arange(0, window + 2),
-                           torch.randint(0, blocks * block_size, (30,), generator=gen)])
+    gen, table, positions = _window_case(window, reqs, block_size, blocks, early=window + 2,
+                                         deep=30)
     req = torch.randint(0, reqs, positions.shape, generator=gen, dtype=torch.int32)
     md = SimpleNamespace(block_size=block_size, block_table=table, token_to_req_indices=req)
     layer = SimpleNamespace(window_size=window, _win_offsets=None)
@@ -104,11 +113,9 @@ def test_compressor_gather_slots_equal_vllm(window):
     # without / with overlap and of C128. Early positions reach before position
     # 0 (-1 entries); the state cache's token_to_req may be longer than the
     # step's tokens (vLLM slices it to slot_mapping's length).
-    gen = torch.Generator().manual_seed(window)
     reqs, block_size, blocks = 3, 8, 40
-    table = _block_table(gen, reqs, blocks)
-    positions = torch.cat([torch.arange(0, window + 1),
-                           torch.randint(0, blocks * block_size - 1, (20,), generator=gen)])
+    gen, table, positions = _window_case(window, reqs, block_size, blocks, early=window + 1,
+                                         deep=20)
     n = positions.shape[0]
     req = torch.randint(0, reqs, (n + 5,), generator=gen, dtype=torch.int32)
     md = SimpleNamespace(block_size=block_size, block_table=table, token_to_req_indices=req,
