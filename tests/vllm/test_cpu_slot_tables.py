@@ -74,7 +74,7 @@ def test_window_slots_equal_vllm(window):
                                          deep=30)
     req = torch.randint(0, reqs, positions.shape, generator=gen, dtype=torch.int32)
     md = SimpleNamespace(block_size=block_size, block_table=table, token_to_req_indices=req)
-    layer = SimpleNamespace(window_size=window, _win_offsets=None)
+    layer = SimpleNamespace(window_size=window)
     want = _vllm_window_slots(window, positions, req, table, block_size)
     got = cpu_layer.DSV4CPUAttention._window_slots(layer, md, positions)
     assert torch.equal(got, want)

@@ -154,6 +154,18 @@ def _short_context(indexer_md: Any, compress_ratio: int, topk_tokens: int) -> bo
     return indexer_md.max_seq_len // compress_ratio <= topk_tokens
 
 
+def _arange(owner: Any, name: str, n: int, device: torch.device,
+            dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """``arange(n)`` kept on ``owner`` as ``name`` (a plain attribute, not a module
+    buffer) and rebuilt only when the device or length changes, so a table build
+    allocates no index vector."""
+    cached = owner.__dict__.get(name)
+    if cached is None or cached.device != device or cached.shape[0] != n:
+        cached = torch.arange(n, device=device, dtype=dtype)
+        owner.__dict__[name] = cached
+    return cached
+
+
 def _map_slots(
     local: torch.Tensor, req_idx: torch.Tensor, block_table: torch.Tensor, block_size: int
 ) -> torch.Tensor:
@@ -286,10 +298,7 @@ class DSV4Compressor(DeepseekV4CPUCompressor):
     def _gather_slots(self, state_md: Any, positions: torch.Tensor, window: int) -> torch.Tensor:
         """vLLM's ``map_local_to_global_slots_cpu`` of the window
         ``p - window + 1 .. p`` of every token (-1 before position 0)."""
-        offsets = self.__dict__.get("_dsv4_offsets")
-        if offsets is None or offsets.device != positions.device:
-            offsets = torch.arange(window, device=positions.device)
-            self.__dict__["_dsv4_offsets"] = offsets
+        offsets = _arange(self, "_dsv4_offsets", window, positions.device)
         local = (positions - (window - 1)).unsqueeze(-1) + offsets
         num_actual = state_md.slot_mapping.shape[0]
         return _map_slots(local, state_md.token_to_req_indices[:num_actual],
@@ -378,10 +387,7 @@ class DSV4Indexer(DeepseekV4CPUIndexer):
 
     def _visible_rows(self, positions: torch.Tensor, num_tokens: int) -> torch.Tensor:
         buf = self.topk_indices_buffer
-        arange = self.__dict__.get("_dsv4_arange")
-        if arange is None or arange.device != buf.device:
-            arange = torch.arange(self.topk_tokens, device=buf.device, dtype=buf.dtype)
-            self.__dict__["_dsv4_arange"] = arange
+        arange = _arange(self, "_dsv4_arange", self.topk_tokens, buf.device, buf.dtype)
         visible = torch.div(positions[:num_tokens] + 1, self.compress_ratio,
                             rounding_mode="floor")
         return torch.where(arange < visible.unsqueeze(-1), arange, -1)
@@ -439,7 +445,6 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         # Without DBO every step is micro-batch 0: no per-layer thread lookup.
         self._ubatched = self._workspace.config.num_ubatches > 1
         self._markers = envs.VLLM_DSV4_MARKER_DIR is not None
-        self._win_offsets: torch.Tensor | None = None
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         super().process_weights_after_loading(act_dtype)
@@ -737,9 +742,7 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         the same values as its ``forward_mqa`` builds, in half the ops: column
         ``j`` holds window position ``max(p - W + 1, 0) + j``, -1 past ``p``."""
         window = self.window_size
-        offsets = self._win_offsets
-        if offsets is None or offsets.device != positions.device:
-            offsets = self._win_offsets = torch.arange(window, device=positions.device)
+        offsets = _arange(self, "_win_offsets", window, positions.device)
         pos = positions.unsqueeze(-1)
         local = (positions - (window - 1)).clamp_(min=0).unsqueeze(-1) + offsets
         # Columns past p (only when p < W - 1) are -1; they read block 0 like
