@@ -419,17 +419,24 @@ def same_bits(a: Any, b: Any, nan_mask: bool = False) -> bool:
     return torch.equal(ab, bb)
 
 
-def replay_real(d: dict[str, Any], op: str, real: Any = None) -> list[str]:
+def replay_real(
+    d: dict[str, Any], op: str, real: Any = None, *, other_isa: bool = False
+) -> list[str]:
     """Replay one loaded file through ``torch.ops._C.<op>`` (or ``real``); the
-    problems found."""
+    problems found. ``other_isa``: this CPU's AMX support differs from the
+    recording machine's, so the GEMM-bound ops may differ within
+    ``golden_io.ISA_SENSITIVE`` (every other op still bit for bit)."""
     fop = OPS_BY_NAME[op]
     real = getattr(torch.ops._C, op) if real is None else real
     outs, after = gio.call(real, fop.schema, d, unpacked_mat2=False)
     problems = []
     for name, want in d["outputs"].items():
         got = outs.get(name)
-        if not same_bits(got, want, nan_mask=op == "fp8_paged_mqa_logits_cpu"):
-            problems.append(f"output {name} differs")
+        if same_bits(got, want, nan_mask=op == "fp8_paged_mqa_logits_cpu"):
+            continue
+        why = gio.isa_mismatch(op, got, want) if other_isa else None
+        if not other_isa or why is not None:
+            problems.append(f"output {name} differs" + (f" ({why})" if why else ""))
     mutated = set(gio.mutated_arg_names(fop.schema))
     for name, v in d["args"].items():
         if name not in mutated and isinstance(v, torch.Tensor) and not same_bits(after[name], v):
@@ -657,6 +664,7 @@ def cmd_subset(ns: argparse.Namespace) -> int:
         "source": f"shared/golden/{src.name}",
         "vllm": src_manifest["vllm"],
         "torch": src_manifest["torch"],
+        "cpu_isa": _recorded_isa(src, src_manifest),
         "made_by": "scripts/record_golden.py subset",
         "shared": sorted(f"_shared/{n}.pt" for n in shared),
         "files": entries,
@@ -676,21 +684,41 @@ def _iter_files(folder: Path) -> Iterator[tuple[str, Path]]:
         yield e["op"], folder / e["file"]
 
 
+def _recorded_isa(src: Path, src_manifest: dict[str, Any]) -> dict[str, bool]:
+    """The recording machine's ``cpu_isa``: its manifest's, else its README's flags line
+    (recordings made before the manifest carried it)."""
+    if "cpu_isa" in src_manifest:
+        return src_manifest["cpu_isa"]
+    readme = (src / "README.md").read_text() if (src / "README.md").exists() else ""
+    line = next((ln for ln in readme.splitlines() if "CPU flags" in ln), None)
+    if line is None:
+        raise SystemExit(f"{src}: neither MANIFEST.json cpu_isa nor a 'CPU flags' README line")
+    flags = set(line.replace("`", " ").split())
+    return {"avx512_bf16": "avx512_bf16" in flags, "amx_tile": "amx_tile" in flags}
+
+
 def cmd_verify(ns: argparse.Namespace) -> int:
     folder = Path(ns.dir)
     torch.set_num_threads(ns.threads)
     import_real_kernels()
+    other_isa = not gio.same_isa_as_recording(folder)
+    if other_isa:
+        print(
+            f"this CPU ({gio.cpu_isa()}) is not of the recording's ISA: "
+            f"{sorted(gio.ISA_SENSITIVE)} are checked within golden_io.ISA_SENSITIVE"
+        )
     bad = 0
     n = 0
     for op, path in _iter_files(folder):
         n += 1
-        problems = replay_real(gio.load(path), op)
+        problems = replay_real(gio.load(path), op, other_isa=other_isa)
         if problems:
             bad += 1
             print(f"FAIL {path.relative_to(folder)}: {'; '.join(problems)}")
         elif ns.verbose:
             print(f"ok   {path.relative_to(folder)}")
-    print(f"{n - bad}/{n} files reproduce every recorded output bit for bit")
+    how = "bit for bit" + (" (the ISA-sensitive ops within their bound)" if other_isa else "")
+    print(f"{n - bad}/{n} files reproduce every recorded output {how}")
     return 1 if bad else 0
 
 
@@ -916,6 +944,7 @@ def cmd_record(ns: argparse.Namespace) -> int:
         "what": "golden calls of vLLM's DeepSeek-V4 C++ CPU kernels",
         "vllm": vllm.__version__,
         "torch": torch.__version__,
+        "cpu_isa": gio.cpu_isa(),
         "call_counts_in_run": rec.counts,
         "files": rec.files,
         "plan": plan,

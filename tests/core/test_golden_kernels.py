@@ -348,6 +348,33 @@ def test_compare_rejects_a_perturbed_output(op):
         assert compare(op, name, bad, want, d, {**same, name: bad}), (op, name)
 
 
+@pytest.mark.parametrize("op", sorted(gio.ISA_SENSITIVE))
+def test_isa_bound_can_fail(op):
+    """The bound a non-AMX replay of the AMX recording gets (``golden_io.ISA_SENSITIVE``)
+    passes the recording itself and its 1-ulp wobble, and rejects one element moved by
+    2% of the output's range, a 1% share of elements moved by one ulp, and (sparse MLA)
+    the torch fallback, whose own deviation it must not excuse."""
+    e, path = next((e, p) for e, p in FILES if e["op"] == op)
+    d = gio.load(path)
+    want = d["outputs"]["out"]
+    assert gio.isa_mismatch(op, want.clone(), want) is None
+    bits = want.clone().reshape(-1).view(torch.int16)
+    nz = (want.reshape(-1) != 0).nonzero().reshape(-1)
+    bits[nz[0]] += 1
+    assert gio.isa_mismatch(op, bits.view(torch.bfloat16).reshape(want.shape), want) is None
+    big = want.clone()
+    i = int(big.abs().argmax())
+    big.view(-1)[i] += 0.02 * float(want.abs().max())
+    assert gio.isa_mismatch(op, big, want)
+    many = want.clone().reshape(-1).view(torch.int16)
+    many[nz[:: max(1, nz.numel() // (want.numel() // 100))]] += 1
+    assert gio.isa_mismatch(op, many.view(torch.bfloat16).reshape(want.shape), want)
+    assert gio.isa_mismatch("hc_head_fused_cpu", want, want)  # no bound: bits only
+    if op == "flash_mla_with_kvcache_cpu":
+        got, _ = replay_fallback(d, op)
+        assert gio.isa_mismatch(op, got["out"], want)
+
+
 def test_torch_only():
     """The fallbacks need torch only: replaying one call of every op in a fresh
     interpreter imports no vLLM (tests/core runs where vLLM is unimportable)."""

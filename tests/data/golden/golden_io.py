@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -117,6 +117,72 @@ def call(
         args["mat2"] = d["extra"]["mat2_unpacked"].clone()
     ret = impl(*[args[n] for n in schema_arg_names(schema)])
     return outputs_of(ret, args, schema), args
+
+
+class IsaBound(NamedTuple):
+    """How far a replay may stray from the recording on a CPU of another matrix ISA.
+
+    (A NamedTuple, not a dataclass: the tests load this file by path, outside
+    ``sys.modules``, where ``@dataclass`` cannot resolve its module.)
+    """
+
+    max_diff_frac: float  # share of output elements that differ
+    max_rel_l2: float  # ||got - want|| / ||want||
+    max_abs_of_max: float  # max |got - want| / max |want|: about one bf16 ulp at the top
+
+
+#: Ops whose C++ kernel runs its bf16 GEMMs on AMX tiles where the CPU has them and as
+#: AVX512-BF16 dot products where it has not: the same products, summed in another order.
+#: Bounds from the full recording (140 calls) replayed on an AMD EPYC with AVX512-BF16 and
+#: no AMX (2026-12-02): flash_mla 9 of 15 calls differ, at most 83 of 65536 elements
+#: (0.13%), rel L2 <= 1.1e-4, max |diff| <= 2.0e-3 x max |out|; bmm 2 of 5, at most 1 of
+#: 2048 (0.05%), rel L2 <= 2.6e-4, max |diff| <= 2.9e-3 x max |out|. Every other op
+#: reproduces the recording bit for bit there too. The bounds leave the torch fallback of
+#: sparse MLA (rel L2 2.1e-3, most elements off) well outside.
+ISA_SENSITIVE: dict[str, IsaBound] = {
+    "flash_mla_with_kvcache_cpu": IsaBound(5e-3, 5e-4, 2**-7),
+    "bmm_cpu": IsaBound(5e-3, 1e-3, 2**-7),
+}
+
+
+def cpu_isa() -> dict[str, bool]:
+    """The ISA facts of this CPU that vLLM's CPU kernels dispatch on."""
+    return {
+        "avx512_bf16": bool(torch.cpu._is_avx512_bf16_supported()),
+        "amx_tile": bool(torch.cpu._is_amx_tile_supported()),
+    }
+
+
+def same_isa_as_recording(folder: Path = ROOT) -> bool:
+    """True if this CPU takes the recording machine's kernel paths (AMX or not)."""
+    rec = json.loads((folder / "MANIFEST.json").read_text()).get("cpu_isa", {})
+    return bool(rec.get("amx_tile", True)) == cpu_isa()["amx_tile"]
+
+
+def isa_mismatch(op: str, got: Any, want: Any) -> str | None:
+    """Why ``got`` is outside ``op``'s :data:`ISA_SENSITIVE` bound (None: inside).
+
+    For a replay on a CPU whose AMX support differs from the recording's; ops not in
+    :data:`ISA_SENSITIVE` have no bound (only bit equality counts for them).
+    """
+    bound = ISA_SENSITIVE.get(op)
+    if bound is None:
+        return f"{op} takes the same path on every AVX512-BF16 CPU: no tolerance"
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
+        return f"got {type(got).__name__} {getattr(got, 'shape', '')}, want {tuple(want.shape)}"
+    g, w = got.double(), want.double()
+    if not bool(torch.isfinite(g).all()):
+        return "non-finite output"
+    frac = float((g != w).double().mean())
+    rel = float((g - w).norm() / w.norm().clamp_min(1e-30))
+    top = float((g - w).abs().max() / w.abs().max().clamp_min(1e-30)) if w.numel() else 0.0
+    if frac > bound.max_diff_frac or rel > bound.max_rel_l2 or top > bound.max_abs_of_max:
+        return (
+            f"{frac:.2%} of elements differ (bound {bound.max_diff_frac:.2%}), "
+            f"rel L2 {rel:.2e} (bound {bound.max_rel_l2:.0e}), "
+            f"max |diff| {top:.2e} x max |out| (bound {bound.max_abs_of_max:.1e})"
+        )
+    return None
 
 
 def manifest() -> dict[str, Any]:
