@@ -33,12 +33,14 @@ NUM_TOKENS = 32
 # Same kernels, same order: any difference is a bug, not rounding.
 EXACT_ATOL = 1e-6
 # First-step tolerances (same context, different arithmetic). Measured on an
-# AVX512-BF16 machine: torch-forced sparse MLA vs vLLM's C++ kernel moves the
+# AVX512-BF16/AMX machine: torch-forced sparse MLA vs vLLM's C++ kernel moves the
 # top-1 logprob by up to 0.10 (the C++ kernel rounds more: golden README), the
-# MXFP4 indexer by 0.015 on the 2198-token prompt. The sink-shifted control moves
-# it by more than either bound.
+# MXFP4 indexer by 0.015 on the 2198-token prompt; on an AVX512-BF16 CPU without
+# AMX (AMD Zen 4) the MXFP4 indexer by 0.062 (its 4-bit logits pick a different
+# top-k at the boundary, and which entries sit there depends on the CPU's GEMM
+# rounding). The sink-shifted control moves it by more than either bound.
 TORCH_STEP0_ATOL = 0.15
-MXFP4_STEP0_ATOL = 0.05
+MXFP4_STEP0_ATOL = 0.10
 # Top logprobs per step.
 TOP_LOGPROBS = 5
 

@@ -23,9 +23,11 @@ so every TP size serves the same model.
    random tiny model has many near-ties (top-1 near -3.6 over 512 tokens), so
    exact equality of every greedy token is not a property vLLM's CPU path
    has. The rule is the load test's (``compare_outputs``): same tokens, or a
-   first divergence at a near-tie, with top-1 logprobs close before it.
-   Measured here (16 requests): 5 identical, the rest part at near-ties
-   (gaps <= 0.42), drift before divergence <= 0.48.
+   first divergence at a near-tie, with top-1 logprobs close before it; the
+   near-tie margin is TP's own (``TP_TIE_MARGIN``, from the teacher-forced
+   bound). Measured (16 requests): 4-5 identical, the rest part at near-ties
+   (gaps <= 0.48 on AMX and AVX2 machines, one 1.016 on an AMD EPYC), drift
+   before divergence <= 0.48.
 3. Teacher-forced, the check that both TP sizes serve the same model: every
    prompt plus TP 1's continuation is scored by both (``prompt_logprobs``),
    and the per-position differences must be rounding-sized (measured p50
@@ -76,6 +78,13 @@ MAX_TIES = N_REQUESTS * 3 // 4  # measured 11 of 16
 # separately. A different model moves the median itself to ~1 nat.
 FORCED_P50 = 0.05
 FORCED_P99 = 0.75
+# Greedy TP 1 vs TP 2: a divergence is a near-tie if each pick is within this margin of the
+# other's in both runs. Each run's logprobs sit within the teacher-forced bound of the other's,
+# so the gap between two picks can open by twice that: 2 x FORCED_P99, still below the
+# ~2.6 nats a foreign hidden state costs (test_load_corruption). Measured: gaps <= 0.48 on an
+# AVX512-BF16/AMX Xeon and the AVX2 path; one of 1.016 on an AMD EPYC without AMX (2026-12-02,
+# teacher-forced max 0.75 there), past the load test's 1.0.
+TP_TIE_MARGIN = 2 * FORCED_P99
 
 
 # TP 2 servers: the plugin's layer, vLLM's own, and the seed's full command line (expert
@@ -205,7 +214,8 @@ def test_seed_command_line_serves_with_expert_parallel(outputs, tp2_servers) -> 
 
 
 def test_tp2_greedy_equals_tp1(outputs) -> None:
-    v = _verdicts(outputs["tp1"], outputs["tp2_plugin"], outputs["requests"])
+    v = _verdicts(outputs["tp1"], outputs["tp2_plugin"], outputs["requests"],
+                  tie_margin=TP_TIE_MARGIN)
     summary = {k: len(x) for k, x in v.items()}
     print(f"TP 1 vs TP 2 (plugin): {summary}; {v}")
     assert not v["bad"], f"TP 2 differs from TP 1 beyond rounding {summary}: {v['bad']}"
