@@ -167,7 +167,7 @@ def isa_mismatch(op: str, got: Any, want: Any) -> str | None:
     """
     bound = ISA_SENSITIVE.get(op)
     if bound is None:
-        return f"{op} takes the same path on every AVX512-BF16 CPU: no tolerance"
+        return f"{op} has no ISA bound (bit for bit on AMX and non-AMX CPUs alike)"
     if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
         return f"got {type(got).__name__} {getattr(got, 'shape', '')}, want {tuple(want.shape)}"
     g, w = got.double(), want.double()
