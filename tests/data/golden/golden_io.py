@@ -154,8 +154,9 @@ def cpu_isa() -> dict[str, bool]:
 
 
 def same_isa_as_recording(folder: Path = ROOT) -> bool:
-    """True if this CPU takes the recording machine's kernel paths (AMX or not)."""
-    rec = json.loads((folder / "MANIFEST.json").read_text()).get("cpu_isa", {})
+    """True if this CPU takes the recording machine's kernel paths (AMX or not). A
+    manifest without ``cpu_isa`` predates the field: those recordings ran on AMX."""
+    rec = manifest(folder).get("cpu_isa", {})
     return bool(rec.get("amx_tile", True)) == cpu_isa()["amx_tile"]
 
 
@@ -185,8 +186,8 @@ def isa_mismatch(op: str, got: Any, want: Any) -> str | None:
     return None
 
 
-def manifest() -> dict[str, Any]:
-    return json.loads((ROOT / "MANIFEST.json").read_text())
+def manifest(folder: Path = ROOT) -> dict[str, Any]:
+    return json.loads((folder / "MANIFEST.json").read_text())
 
 
 def files(op: str | None = None) -> Iterator[tuple[dict[str, Any], Path]]:
