@@ -234,12 +234,8 @@ def compressed_slot_mapping(
     # port, the same integers. pos = seq_len - query_len + (t - query_start)
     # = seq_len - query_end + t.
     t = torch.arange(n, device=dev, dtype=torch.int64)
-    qsl = query_start_loc[: num_reqs + 1].to(torch.int64).contiguous()
-    ends = qsl[1:]
-    req = torch.searchsorted(ends, t, right=True)
-    inside = req < num_reqs
-    req.clamp_(max=num_reqs - 1)
-    inside &= t >= qsl[req]
+    req, inside = _request_of(query_start_loc, num_reqs, t)
+    ends = query_start_loc[1 : num_reqs + 1].to(torch.int64)
     pos = (seq_lens[:num_reqs].to(torch.int64) - ends)[req].add_(t)
 
     # Past the end of slot_mapping the kernel would read out of bounds; PAD.
