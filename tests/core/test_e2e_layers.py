@@ -2,9 +2,10 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """bench.e2e_layers without vLLM: rounds alternate the layers' order, warm-up rounds are
 left out, every round draws new prompts that both layers get, ratios are the median of
-per-round pairs with the 95% CI of the median, and the streaming client's TTFT/TPOT
-arithmetic and errors, against a local aiohttp server (the real vLLM server is in
-tests/vllm/test_bench_client_served.py)."""
+per-round pairs with the 95% CI of the median and their Hodges-Lehmann estimate with its
+signed-rank CI (checked against the published critical values and brute force), and the
+streaming client's TTFT/TPOT arithmetic and errors, against a local aiohttp server (the
+real vLLM server is in tests/vllm/test_bench_client_served.py)."""
 
 import asyncio
 import json
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_dsv4_backend.bench import median_ci
+from vllm_dsv4_backend.bench import hodges_lehmann_ci, median_ci
 
 
 def _fake_servers(tmp_path: Path, monkeypatch, R, E):
@@ -96,8 +97,14 @@ def test_alternating_rounds_warmup_and_paired_ratios(tmp_path: Path, monkeypatch
     assert ttft["ratio_min"] == pytest.approx(2 / 3) and ttft["ratio_max"] == pytest.approx(2.0)
     assert (ttft["ratio_ci95_lo"], ttft["ratio_ci95_hi"]) == pytest.approx((2 / 3, 2.0))
     assert ttft["plugin"] == pytest.approx(10.0) and ttft["verdict"] == "tie"
+    # HL of logs [ln 2, -ln 1.5, ln 2, ln 2]: 6 of the 10 Walsh averages are ln 2; n = 4
+    # is below the 95% reach, so its interval is the extremes.
+    assert ttft["hl_ratio"] == pytest.approx(2.0) and ttft["hl_verdict"] == "tie"
+    assert (ttft["hl_ci95_lo"], ttft["hl_ci95_hi"]) == pytest.approx((2 / 3, 2.0))
     cpu_row = res["summary"]["t"]["cpu_ms_per_token"]
     assert cpu_row["ratio_median"] == 2.0 and cpu_row["verdict"] == "plugin"
+    assert cpu_row["hl_ratio"] == pytest.approx(2.0) and cpu_row["hl_verdict"] == "plugin"
+    assert res["schema"] == "vllm-dsv4-e2e-layers/3"
     text = E.format_result(res)
     assert "cpu_ms_per_token" in text and "plugin" in text.splitlines()[-1]
     assert json.loads((tmp_path / "runs.json").read_text())[0]["round"] == -2
@@ -120,6 +127,69 @@ def test_median_ci_and_verdict() -> None:
     assert verdict(1.01, 1.2) == "plugin" and verdict(0.8, 0.99) == "vllm"
     assert verdict(0.99, 1.01) == "tie" and verdict(1.0, 1.1) == "tie"
     assert verdict(None, None) == "n/a"
+
+
+def _walsh_logs(xs):
+    ys = [math.log(x) for x in xs]
+    return sorted((ys[i] + ys[j]) / 2 for i in range(len(ys)) for j in range(i, len(ys)))
+
+
+def test_hodges_lehmann_ci_against_published_ranks_and_brute_force() -> None:
+    import itertools
+    import random
+    import statistics
+
+    from vllm_dsv4_backend.bench import _signed_rank_cut
+
+    # Two-sided 5% critical values of the signed-rank statistic T (reject if T <= c), from
+    # the published tables: the lower bound is the (c+1)-th smallest Walsh average.
+    assert [_signed_rank_cut(n) for n in (6, 8, 10, 15, 20, 25, 30, 50)] == [
+        0, 3, 8, 25, 52, 89, 137, 434]
+    assert [_signed_rank_cut(n) for n in (1, 2, 5)] == [0, 0, 0]  # 95% unreachable
+    # The exact null of T+ by enumerating every sign pattern (an oracle independent of
+    # the subset-sum table): the cut keeps P(T+ <= k) <= 2.5% and is the largest that does.
+    for n in range(6, 15):
+        sums = [sum(r for r, s in zip(range(1, n + 1), signs) if s)
+                for signs in itertools.product((0, 1), repeat=n)]
+        k = _signed_rank_cut(n)
+        assert sum(t <= k for t in sums) / 2**n <= 0.025 < sum(t <= k + 1 for t in sums) / 2**n
+    # Normal approximation beyond the exact range: close to the exact cut at the seam.
+    from vllm_dsv4_backend import bench
+
+    exact = _signed_rank_cut(150)
+    bench._EXACT_SIGNED_RANK_MAX_N, saved = 0, bench._EXACT_SIGNED_RANK_MAX_N
+    try:
+        assert abs(_signed_rank_cut(150) - exact) <= 2
+    finally:
+        bench._EXACT_SIGNED_RANK_MAX_N = saved
+
+    # The estimate: exp of the median of the log Walsh averages.
+    est, lo, hi = hodges_lehmann_ci([1.0, math.e, math.e**2])
+    assert (est, lo, hi) == pytest.approx((math.e, 1.0, math.e**2))
+    rng = random.Random(7)
+    for n in (7, 12, 31, 60):
+        xs = [math.exp(rng.gauss(0.05, 0.2)) for _ in range(n)]
+        w = _walsh_logs(xs)
+        k = _signed_rank_cut(n)
+        est, lo, hi = hodges_lehmann_ci(xs)
+        assert est == pytest.approx(math.exp(statistics.median(w)))
+        assert (lo, hi) == pytest.approx((math.exp(w[k]), math.exp(w[len(w) - 1 - k])))
+        # A ratio and its inverse: the same interval, mirrored.
+        inv = hodges_lehmann_ci([1 / x for x in xs])
+        assert inv == pytest.approx((1 / est, 1 / hi, 1 / lo))
+        # One absurd pair moves the estimate by at most one rank, not by its size.
+        bad = hodges_lehmann_ci(xs[:-1] + [1e6])
+        assert bad[0] < math.exp(max(w)) and bad[1] >= lo * 0.9
+    # Coverage: symmetric noise about a true ratio of 1.05, n = 30.
+    hits = 0
+    for _ in range(300):
+        xs = [1.05 * math.exp(rng.uniform(-0.3, 0.3)) for _ in range(30)]
+        _, lo, hi = hodges_lehmann_ci(xs)
+        hits += lo <= 1.05 <= hi
+    assert 0.91 <= hits / 300 <= 0.99, hits
+    for bad_input in ([], [0.0], [-1.0, 2.0], [math.inf], [math.nan], [1.0, None]):
+        with pytest.raises(ValueError, match="ratios"):
+            hodges_lehmann_ci(bad_input)
 
 
 def _sse_app(chunks, status=200):
