@@ -139,7 +139,7 @@ def test_hodges_lehmann_ci_against_published_ranks_and_brute_force() -> None:
     import random
     import statistics
 
-    from vllm_dsv4_backend.bench import _signed_rank_cut
+    from vllm_dsv4_backend.bench import _signed_rank_cut, _signed_rank_cut_normal
 
     # Two-sided 5% critical values of the signed-rank statistic T (reject if T <= c), from
     # the published tables: the lower bound is the (c+1)-th smallest Walsh average.
@@ -154,14 +154,8 @@ def test_hodges_lehmann_ci_against_published_ranks_and_brute_force() -> None:
         k = _signed_rank_cut(n)
         assert sum(t <= k for t in sums) / 2**n <= 0.025 < sum(t <= k + 1 for t in sums) / 2**n
     # Normal approximation beyond the exact range: close to the exact cut at the seam.
-    from vllm_dsv4_backend import bench
-
-    exact = _signed_rank_cut(150)
-    bench._EXACT_SIGNED_RANK_MAX_N, saved = 0, bench._EXACT_SIGNED_RANK_MAX_N
-    try:
-        assert abs(_signed_rank_cut(150) - exact) <= 2
-    finally:
-        bench._EXACT_SIGNED_RANK_MAX_N = saved
+    assert abs(_signed_rank_cut_normal(150) - _signed_rank_cut(150)) <= 2
+    assert _signed_rank_cut(151) == _signed_rank_cut_normal(151)
 
     # The estimate: exp of the median of the log Walsh averages.
     est, lo, hi = hodges_lehmann_ci([1.0, math.e, math.e**2])

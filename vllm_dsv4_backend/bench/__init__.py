@@ -7,8 +7,10 @@ layer against vLLM's own."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,13 +32,19 @@ def median_ci(xs: Sequence[float]) -> tuple[float, float]:
 _EXACT_SIGNED_RANK_MAX_N = 150
 
 
+def _signed_rank_cut_normal(n: int) -> int:
+    """:func:`_signed_rank_cut` by the normal approximation of ``T+``."""
+    return max(0, math.floor(n * (n + 1) / 4
+                             - 1.96 * math.sqrt(n * (n + 1) * (2 * n + 1) / 24)))
+
+
+@functools.cache  # one summary asks it for the same n once per metric
 def _signed_rank_cut(n: int) -> int:
     """0-based rank of the lower 95% bound among the ``n(n+1)/2`` sorted Walsh averages: the
     largest ``t`` with ``P(T+ <= t) <= 0.025`` under the signed-rank null (exact up to
     ``n = 150``, the normal approximation above), 0 where even ``t = 0`` is too likely."""
     if n > _EXACT_SIGNED_RANK_MAX_N:
-        return max(0, math.floor(n * (n + 1) / 4
-                                 - 1.96 * math.sqrt(n * (n + 1) * (2 * n + 1) / 24)))
+        return _signed_rank_cut_normal(n)
     top = n * (n + 1) // 2
     counts = [1] + [0] * top  # subsets of ranks 1..n by their sum
     for r in range(1, n + 1):
@@ -72,9 +80,9 @@ def hodges_lehmann_ci(ratios: Sequence[float]) -> tuple[float, float, float]:
     n = len(ys)
     walsh = sorted((ys[i] + ys[j]) / 2 for i in range(n) for j in range(i, n))
     big = len(walsh)
-    mid = (walsh[(big - 1) // 2] + walsh[big // 2]) / 2
     k = min(_signed_rank_cut(n), (big - 1) // 2)
-    return math.exp(mid), math.exp(walsh[k]), math.exp(walsh[big - 1 - k])
+    return (math.exp(statistics.median(walsh)), math.exp(walsh[k]),
+            math.exp(walsh[big - 1 - k]))
 
 
 def verdict(lo: float | None, hi: float | None) -> str:
