@@ -5,7 +5,7 @@ own process): the side switch really alternates the layer classes and builders s
 step, the generation is token for token the plugin-only one (the two sides are bitwise
 equal), the steps where a compressor window closes are shared evenly between the sides
 (strict alternation gave them all to one side), every case forms pairs of every part,
-and the ratios are finite. Its pairing
+the ratios are finite, and ``--threads`` sets the engine's thread count. Its pairing
 arithmetic is tests/core/test_step_ab.py."""
 
 from __future__ import annotations
@@ -25,11 +25,15 @@ def test_step_ab_alternates_sides_on_the_tiny_model(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_DSV4_")}
     proc = subprocess.run(
         [sys.executable, "-m", "vllm_dsv4_backend.bench.step_ab", "--batches", "1,4",
-         "--requests", "1", "--output-len", "12", "--prefill", "300", "--json", str(out)],
+         "--requests", "1", "--output-len", "12", "--prefill", "300", "--threads", "1",
+         "--json", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["schema"] == "vllm-dsv4-step-ab/2"
+    # --threads 1, the served worker's count, holds through vLLM's thread binding.
+    assert res["threads"] == 1
+    assert "(tiny model, 1 thread(s))" in proc.stdout
     assert res["tokens_identical"] == {"decode_b1": True, "decode_b4": True}
     assert [r["case"] for r in res["rows"]] == ["decode_b1", "decode_b4", "prefill_300"]
     for row in res["rows"]:

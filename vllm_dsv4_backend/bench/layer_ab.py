@@ -226,8 +226,9 @@ def _row(case: str, kind: str, tokens: int, plugin_ms: list[float], vllm_ms: lis
 
 def run(*, flash_shaped: bool = False, batches: Sequence[int] = (1, 8, 32),
         context: int = 256, prefill: int = 1024, decode_steps: int = 4, reps: int = 3,
-        progress: Any = sys.stderr) -> dict[str, Any]:
+        threads: int | None = None, progress: Any = sys.stderr) -> dict[str, Any]:
     """Run every case in one engine; returns the JSON-able result."""
+    set_threads(threads)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -302,6 +303,21 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flash-shaped", action="store_true",
                    help="DeepSeek-V4-Flash attention widths instead of the tiny model's")
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes (default 1,8,32)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads of the engine (default: torch's, one per core; "
+                        "a served CPU worker runs on 1 where the cores are 2)")
+
+
+def set_threads(threads: int | None) -> None:
+    """Set torch's thread count before the engine starts: vLLM's CPU worker refuses
+    ``torch.set_num_threads`` once it has bound its threads."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise ValueError(f"--threads must be positive, got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)
 
 
 def parse_batches(text: str) -> list[int]:
@@ -317,10 +333,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", help="write the result here")
     args = p.parse_args(argv)
     batches = parse_batches(args.batches)
-    if not batches or min(batches) < 1 or args.reps < 1 or args.context < 1:
-        p.error("--batches, --context and --reps must be positive")
+    if not batches or min(batches) < 1 or args.reps < 1 or args.context < 1 \
+            or (args.threads is not None and args.threads < 1):
+        p.error("--batches, --context, --reps and --threads must be positive")
     res = run(flash_shaped=args.flash_shaped, batches=batches, context=args.context,
-              prefill=args.prefill, reps=args.reps)
+              prefill=args.prefill, reps=args.reps, threads=args.threads)
     return finish(res, args.json, format_result(res))
 
 

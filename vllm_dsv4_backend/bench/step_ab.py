@@ -41,7 +41,9 @@ ones). The result says how many closing steps each side ran.
 Cases: decode at batch 1 / 8 / 32 (prompts of ``--context`` tokens, default 16) and
 prefills of ``--prefill`` tokens (one request per step, alternating sides request by request).
 
-``vllm-dsv4-bench step-ab [--requests 6] [--json out.json]``.
+``vllm-dsv4-bench step-ab [--requests 6] [--threads N] [--json out.json]``. A served CPU
+worker on a 2-core host runs on one thread (vLLM reserves a core for the engine process and
+drops torch to one thread for serving); ``--threads 1`` times the steps as it runs them.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from vllm_dsv4_backend.bench.layer_ab import (
     flash_shaped_model,
     parse_batches,
     set_classes,
+    set_threads,
     swapped_parts,
 )
 
@@ -246,13 +249,14 @@ def _runner(llm: Any) -> Any:
 
 def run(*, flash_shaped: bool = False, batches: Sequence[int] = (1, 8, 32),
         prefill: int = 1024, output_len: int = 64, requests: int = 6, context: int = 16,
-        progress: Any = sys.stderr) -> dict[str, Any]:
+        threads: int | None = None, progress: Any = sys.stderr) -> dict[str, Any]:
     """Run every case in one engine; returns the JSON-able result."""
     from vllm_dsv4_backend import envs
 
     if envs.VLLM_DSV4_ATTN_IMPL == "vllm":
         raise ValueError("step-ab switches the plugin's layer to vLLM's and back: run it "
                          "with VLLM_DSV4_ATTN_IMPL=auto or plugin, not vllm")
+    set_threads(threads)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # LLM first: the plugin patches LLM.__init__ when it loads.
     from vllm import LLM, SamplingParams
@@ -347,12 +351,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     batches = parse_batches(args.batches)
     if not batches or min(batches) < 1 or args.requests < 1 or args.output_len < 2 \
-            or args.prefill < 1 or args.context < 1:
-        p.error("--batches, --requests, --prefill, --context must be positive, "
+            or args.prefill < 1 or args.context < 1 \
+            or (args.threads is not None and args.threads < 1):
+        p.error("--batches, --requests, --prefill, --context, --threads must be positive, "
                 "--output-len >= 2")
     try:
         res = run(flash_shaped=args.flash_shaped, batches=batches, prefill=args.prefill,
-                  output_len=args.output_len, requests=args.requests, context=args.context)
+                  output_len=args.output_len, requests=args.requests, context=args.context,
+                  threads=args.threads)
     except (ValueError, RuntimeError) as e:
         print(f"step-ab failed: {e}", file=sys.stderr)
         return 3
