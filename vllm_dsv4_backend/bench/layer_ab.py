@@ -244,6 +244,7 @@ def run(*, flash_shaped: bool = False, batches: Sequence[int] = (1, 8, 32),
               kv_cache_dtype="fp8", enforce_eager=True, max_model_len=max(max_len, 2048),
               max_num_batched_tokens=mnbt, max_num_seqs=max(batches), seed=0,
               attention_backend="FLASHMLA_SPARSE_DSV4", enable_prefix_caching=False)
+    confirm_threads(threads)
     rng = random.Random(0)
     rec = _Recorder(reps)
     t0 = time.monotonic()
@@ -318,6 +319,15 @@ def set_threads(threads: int | None) -> None:
     import torch
 
     torch.set_num_threads(threads)
+
+
+def confirm_threads(threads: int | None) -> None:
+    """After the engine started: a figure timed at another count than asked is refused."""
+    import torch
+
+    if threads is not None and torch.get_num_threads() != threads:
+        raise RuntimeError(f"--threads {threads} asked, but the engine runs on "
+                           f"{torch.get_num_threads()} (vLLM's CPU thread binding overrode it)")
 
 
 def parse_batches(text: str) -> list[int]:

@@ -66,6 +66,7 @@ from vllm_dsv4_backend.bench import finish, median_ci, verdict
 from vllm_dsv4_backend.bench.layer_ab import (
     TINY_MODEL,
     add_shape_args,
+    confirm_threads,
     flash_shaped_model,
     parse_batches,
     set_classes,
@@ -269,6 +270,7 @@ def run(*, flash_shaped: bool = False, batches: Sequence[int] = (1, 8, 32),
     model = flash_shaped_model(tmp) if flash_shaped else TINY_MODEL
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     llm = _engine(LLM, model, max(batches), max(prefill + 16, context + output_len + 16, 2048))
+    confirm_threads(threads)
     runner = _runner(llm)
     rec = _StepRecorder(Sides(runner))
     rng = random.Random(0)
