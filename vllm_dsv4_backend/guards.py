@@ -18,7 +18,14 @@ from types import ModuleType
 from typing import Any
 
 BACKEND_NAME = "FLASHMLA_SPARSE_DSV4"
-SUPPORTED_ARCHITECTURES = ("DeepseekV4ForCausalLM",)
+SUPPORTED_ARCHITECTURES = ("DeepseekV4ForCausalLM", "DeepseekV4ForConditionalGeneration")
+"""Architectures the backend serves. ``DeepseekV4ForConditionalGeneration``
+(the vision variant; vLLM's architecture convertor also routes a
+``DeepseekV4ForCausalLM`` config with ``vision_n_layers > 0`` to it) builds
+its language model with ``init_vllm_registered_model(...,
+architectures=["DeepseekV4ForCausalLM"])``, so its attention layers are the
+same DeepSeek-V4 layers the plugin replaces; its hf_config is the text
+model's, flat, so :func:`check_settings` reads the same fields."""
 
 
 def check_architecture(vllm_config: Any) -> None:

@@ -88,3 +88,40 @@ def test_dsv4_tp_size_with_unfit_per_rank_shapes_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"--tensor-parallel-size 2: .*o_groups 1 / 2 = 0.5 per "
                                          r"rank.*sizes that work for this model: \[1\]"):
         _engine_config(model, "FLASHMLA_SPARSE_DSV4", tensor_parallel_size=2)
+
+
+def _stub_config(archs: list[str], backend: str = "FLASHMLA_SPARSE_DSV4"):
+    from types import SimpleNamespace
+
+    hf = SimpleNamespace(**json.loads((TINY_DSV4 / "config.json").read_text()))
+    return SimpleNamespace(
+        attention_config=SimpleNamespace(backend=SimpleNamespace(name=backend)),
+        model_config=SimpleNamespace(model="m", architectures=archs, hf_config=hf),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, enable_expert_parallel=False),
+    )
+
+
+def test_dsv4_vision_variant_with_the_flag_passes():
+    # vLLM 0.33/0.34 build DeepseekV4ForConditionalGeneration's language model with
+    # init_vllm_registered_model(..., "DeepseekV4ForCausalLM"): the plugin's layer serves
+    # it. (vLLM's CPU build only has a stub for the vision class, so no engine here.)
+    from vllm_dsv4_backend import guards
+
+    cfg = _stub_config(["DeepseekV4ForConditionalGeneration"])
+    guards.check_architecture(cfg)
+    guards.check_settings(type("A", (), {"kv_cache_dtype": "auto", "block_size": None})(), cfg)
+    # The settings checks still apply to it: a bad block size is refused, not skipped.
+    with pytest.raises(ValueError, match=r"--block-size 128"):
+        guards.check_settings(type("A", (), {"kv_cache_dtype": "auto", "block_size": 128})(),
+                              cfg)
+
+
+@pytest.mark.parametrize("archs", [["DeepseekV3ForCausalLM"], ["DeepseekV41ForCausalLM"],
+                                   ["LlamaForCausalLM"], []])
+def test_non_dsv4_architectures_are_still_refused(archs):
+    from vllm_dsv4_backend import guards
+
+    with pytest.raises(ValueError, match=r"serves only DeepSeek-V4 \(architectures "
+                                         r"\['DeepseekV4ForCausalLM', "
+                                         r"'DeepseekV4ForConditionalGeneration'\]\)"):
+        guards.check_architecture(_stub_config(archs))
