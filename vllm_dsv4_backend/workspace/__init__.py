@@ -8,6 +8,7 @@
   stable addresses, stream-fenced sharing, stats) and its errors.
 * ``streams``: the ``StreamBackend`` protocol, CUDA / no-stream / simulated.
 * ``alloc_counter``: ``count_allocations()`` for any device.
+* ``budget``: ``reserve_budget_bytes()``, the memory ``private`` may reserve.
 
 Never imports vLLM. See docs/workspace.md.
 """
@@ -24,6 +25,7 @@ _EXPORTS: dict[str, str] = {
     "ENV_DEBUG": "manager",
     "ENV_POLICY": "manager",
     "Lease": "manager",
+    "WorkspaceBudgetError": "manager",
     "WorkspaceCapacityError": "manager",
     "WorkspaceLeaseError": "manager",
     "WorkspaceManager": "manager",
@@ -38,8 +40,10 @@ _EXPORTS: dict[str, str] = {
     "memory_table": "sizing",
     "padded_q_heads": "sizing",
     "plan_layout": "sizing",
+    "private_fit_tokens": "sizing",
     "pool49236_bytes": "sizing",
     "workspace_bytes": "sizing",
+    "reserve_budget_bytes": "budget",
     "CudaStreamBackend": "streams",
     "NullStreamBackend": "streams",
     "SimStreamBackend": "streams",
@@ -73,6 +77,7 @@ __all__ = [
     "NullStreamBackend",
     "SimStreamBackend",
     "StreamBackend",
+    "WorkspaceBudgetError",
     "WorkspaceBytes",
     "WorkspaceCapacityError",
     "WorkspaceConfig",
@@ -85,6 +90,8 @@ __all__ = [
     "padded_q_heads",
     "plan_layout",
     "pool49236_bytes",
+    "private_fit_tokens",
+    "reserve_budget_bytes",
     "resolve_debug",
     "resolve_policy",
     "workspace_bytes",

@@ -26,6 +26,22 @@ manager keeps the preallocation and makes the reuse provable:
   must precede the next lease: a slot with a live lease cannot be leased).
   Recording at hand-over instead of at release costs nothing when producer
   and consumer share a stream (most families) and never under-synchronizes.
+* **Bounded by the scheduler's worst case.** A lease for ``T`` tokens of
+  micro-batch ``u`` is served iff ``0 <= T <= max_num_batched_tokens`` and
+  ``0 <= u < num_ubatches``; anything else raises ``WorkspaceCapacityError``
+  (a ``ValueError``) naming the family, layer, ``T``, ``u``, the bytes needed
+  and the bytes reserved, before any slot is taken, any view is built or
+  anything is allocated (under every policy, ``off`` included). The bound is
+  vLLM's own: the scheduler never schedules more than
+  ``scheduler_config.max_num_batched_tokens`` tokens in a step (prefill
+  chunks, decode and speculative-decode verification tokens together), CUDA
+  graph capture sizes are filtered to at most that, a micro-batch carries a
+  part of the step, and the MTP/DSpark drafter's token bound is the same
+  ``max_num_batched_tokens``; vLLM's own per-layer buffers
+  (``DeepseekV4Attention.max_num_batched_tokens``) have the same bound.
+  Micro-batch ids come from ``dbo_current_ubatch_id()`` and are below
+  ``parallel_config.num_ubatches`` (2 with DBO, ``--ubatch-size`` otherwise),
+  which the layers pass as ``WorkspaceConfig.num_ubatches``.
 * **No aliasing of concurrent families or micro-batches.** Families have
   disjoint bytes (they run at once on different streams: indexer on aux0,
   compressor on aux1), and every micro-batch has its own slots.
@@ -71,7 +87,9 @@ from .sizing import (
     Layout,
     WorkspaceConfig,
     layer_families,
+    layer_kind,
     plan_layout,
+    private_fit_tokens,
 )
 from .streams import StreamBackend, default_backend
 
@@ -79,10 +97,21 @@ from .streams import StreamBackend, default_backend
 ENV_POLICY = "VLLM_DSV4_WORKSPACE"
 ENV_DEBUG = "VLLM_DSV4_WORKSPACE_DEBUG"
 DEFAULT_POLICY = "shared"
+GIB = 1 << 30
+_KIND_NAMES = {"swa": "SWA", "c4": "C4", "compressed": "C128"}
 
 
 class WorkspaceCapacityError(ValueError):
-    """A lease asked for more than was reserved at load."""
+    """A lease asked for more than was reserved at load: more tokens than
+    ``WorkspaceConfig.max_num_batched_tokens`` or a micro-batch id not below
+    ``WorkspaceConfig.num_ubatches``. The message names the family, the layer,
+    the token count, the micro-batch, the bytes needed and the bytes reserved."""
+
+
+class WorkspaceBudgetError(ValueError):
+    """``reserve(budget_bytes=...)``: the ``private`` policy needs more memory
+    than the budget. The message names the policy, the bytes per layer and in
+    total, the budget and the alternatives."""
 
 
 class WorkspaceLeaseError(RuntimeError):
@@ -367,14 +396,25 @@ class WorkspaceManager:
             self.config, list(self._layers.values()), self.policy, self.shared_slots
         )
 
-    def reserve(self) -> None:
+    def reserve(self, budget_bytes: int | None = None) -> None:
         """Allocate all storage now (at model load, before memory profiling).
 
         Idempotent. Under ``off`` nothing is allocated.
+
+        Args:
+            budget_bytes: the most bytes the ``private`` policy may reserve
+                (``budget.reserve_budget_bytes``: on CUDA what vLLM's
+                ``gpu_memory_utilization`` share leaves after the weights, on
+                CPU the available memory); ``None``: no check. ``private``
+                beyond it raises ``WorkspaceBudgetError`` (a ``ValueError``)
+                before anything is allocated. ``shared`` (a few slots for all
+                layers) and ``off`` are not checked.
         """
         if self._reserved:
             return
         layout = self._plan_layout()
+        if budget_bytes is not None:
+            self._check_budget(layout, budget_bytes)
         self._layout = layout
         if layout.total_bytes:
             self._storage = torch.empty(layout.total_bytes, dtype=torch.uint8, device=self.device)
@@ -408,6 +448,40 @@ class WorkspaceManager:
                     self._lookup[(names[li], fam, u)] = by_key[(u, fam, idx)]
         self._reserved = True
 
+    def _check_budget(self, layout: Layout, budget_bytes: int) -> None:
+        if type(budget_bytes) is not int or budget_bytes < 0:
+            raise ValueError(
+                f"budget_bytes: expected a non-negative int or None, got {budget_bytes!r}"
+            )
+        if self.policy != "private" or layout.total_bytes <= budget_bytes:
+            return
+        cfg = self.config
+        ratios = list(self._layers.values())
+        per_kind: dict[str, tuple[int, int]] = {}  # kind -> (bytes per layer, layers)
+        for r in ratios:
+            kind = layer_kind(r)
+            nbytes = sum(cfg.slot_bytes(f) for f in layer_families(r)) * cfg.num_ubatches
+            per_kind[kind] = (nbytes, per_kind.get(kind, (0, 0))[1] + 1)
+        per_layer = ", ".join(
+            f"{_KIND_NAMES[k]} {b} bytes ({b / GIB:.2f} GiB) x {n}"
+            for k, (b, n) in sorted(per_kind.items(), key=lambda kv: -kv[1][0])
+        )
+        shared = plan_layout(cfg, ratios, "shared", 1).total_bytes
+        fit = private_fit_tokens(cfg, ratios, budget_bytes)
+        lower = (
+            f"lower --max-num-batched-tokens (private fits at <= {fit} tokens)"
+            if fit else "lower --max-num-batched-tokens (private does not fit even at 1 token)"
+        )
+        raise WorkspaceBudgetError(
+            f"{ENV_POLICY}=private needs {layout.total_bytes} bytes "
+            f"({layout.total_bytes / GIB:.2f} GiB) for {len(ratios)} layers x "
+            f"{cfg.num_ubatches} micro-batch(es) at max_num_batched_tokens="
+            f"{cfg.max_num_batched_tokens} (per layer: {per_layer}), but the budget is "
+            f"{budget_bytes} bytes ({budget_bytes / GIB:.2f} GiB). Use {ENV_POLICY}=shared "
+            f"(the default: {shared} bytes, {shared / GIB:.2f} GiB) or {lower}; supported "
+            f"policies: {POLICIES}"
+        )
+
     @property
     def reserved(self) -> bool:
         return self._reserved
@@ -431,9 +505,13 @@ class WorkspaceManager:
 
         ``stream`` is the producer's stream (default: the current stream); the
         manager makes it wait for the previous users of the memory first.
-        Raises ``WorkspaceCapacityError`` beyond the reservation, ``ValueError``
-        for an unknown layer/family/micro-batch and ``WorkspaceLeaseError`` if
-        the slot is still leased (or, in debug mode, on byte overlap).
+        Raises ``WorkspaceCapacityError`` (a ``ValueError``) beyond the
+        reservation (``num_tokens > config.max_num_batched_tokens`` or
+        ``ubatch >= config.num_ubatches``, see the module docstring for why
+        that is vLLM's worst case), ``ValueError`` for an unknown layer or
+        family, a negative or non-int ``ubatch`` or ``num_tokens``, and
+        ``WorkspaceLeaseError`` if the slot is still leased (or, in debug
+        mode, on byte overlap). A refused lease takes nothing.
         """
         if not self._reserved:
             raise WorkspaceLeaseError(
@@ -441,8 +519,8 @@ class WorkspaceManager:
                 "profiling sees it"
             )
         entry = self._lookup.get((layer_name, family, ubatch))
-        if entry is None:
-            self._raise_lookup_error(layer_name, family, ubatch)
+        if entry is None or type(ubatch) is not int:  # not 1.0 or True for 1
+            self._raise_lookup_error(layer_name, family, ubatch, num_tokens)
         if type(num_tokens) is not int or not 0 <= num_tokens <= \
                 self.config.max_num_batched_tokens:
             self._raise_tokens_error(layer_name, family, ubatch, num_tokens)
@@ -599,7 +677,9 @@ class WorkspaceManager:
 
     # --- errors ---------------------------------------------------------------------
 
-    def _raise_lookup_error(self, layer_name: Any, family: Any, ubatch: Any) -> None:
+    def _raise_lookup_error(
+        self, layer_name: Any, family: Any, ubatch: Any, num_tokens: Any = None
+    ) -> None:
         if layer_name not in self._layers:
             raise ValueError(f"layer_name: {layer_name!r} is not a registered layer")
         if family not in FAMILIES:
@@ -610,10 +690,30 @@ class WorkspaceManager:
                 f"family: layer {layer_name!r} (compress_ratio {self._layers[layer_name]}) has "
                 f"no {family!r} workspace; its families are {fams}"
             )
+        n = self.config.num_ubatches
+        if type(ubatch) is int and ubatch >= n:
+            # More micro-batches than were reserved: a capacity error, like too many tokens.
+            if type(num_tokens) is not int or num_tokens < 0:
+                raise ValueError(f"num_tokens: expected a non-negative int, got {num_tokens!r}")
+            req = sum(s.nbytes(num_tokens) for s in self.config.family_buffers(family))
+            per_ubatch = self._family_bytes_per_ubatch(family)
+            raise WorkspaceCapacityError(
+                f"workspace family {family!r} of layer {layer_name!r} (ubatch {ubatch}, policy "
+                f"{self.policy!r}): requested {num_tokens} tokens = {req} bytes for micro-batch "
+                f"{ubatch}, reserved 0 bytes for it: micro-batches [0, {n}) were reserved "
+                f"(WorkspaceConfig.num_ubatches={n}), {per_ubatch} bytes of {family!r} each. "
+                "The workspace never grows after load: build it with num_ubatches = vLLM's "
+                "parallel_config.num_ubatches (2 with --enable-dbo, --ubatch-size otherwise)"
+            )
         raise ValueError(
-            f"ubatch: expected an int in [0, {self.config.num_ubatches}) "
-            f"(WorkspaceConfig.num_ubatches), got {ubatch!r}"
+            f"ubatch: expected an int in [0, {n}) (WorkspaceConfig.num_ubatches), got {ubatch!r}"
         )
+
+    def _family_bytes_per_ubatch(self, family: str) -> int:
+        """Reserved bytes of ``family`` in one micro-batch (0 under ``off``)."""
+        if self._layout is None:
+            return 0
+        return sum(s.nbytes for s in self._layout.slots if s.family == family and s.ubatch == 0)
 
     def _raise_tokens_error(
         self, layer_name: str, family: str, ubatch: int, num_tokens: Any
@@ -624,12 +724,18 @@ class WorkspaceManager:
         req = sum(s.nbytes(num_tokens) for s in specs)
         cap = self.config.max_num_batched_tokens
         res = sum(s.nbytes(cap) for s in specs)
+        if self.policy == "off":
+            held = (f"reserved {cap} tokens = {res} bytes (the bound; policy 'off' reserves "
+                    "nothing but keeps it)")
+        else:
+            held = (f"reserved {cap} tokens = {res} bytes (a {self.config.slot_bytes(family)}"
+                    "-byte slot)")
         raise WorkspaceCapacityError(
-            f"workspace family {family!r} of layer {layer_name!r} (ubatch {ubatch}): requested "
-            f"{num_tokens} tokens = {req} bytes, reserved {cap} tokens = {res} bytes. The "
-            "workspace never grows after load: raise max_num_batched_tokens "
-            "(WorkspaceConfig.max_num_batched_tokens, vLLM --max-num-batched-tokens) or run "
-            f"with {ENV_POLICY}=off"
+            f"workspace family {family!r} of layer {layer_name!r} (ubatch {ubatch}, policy "
+            f"{self.policy!r}): requested {num_tokens} tokens = {req} bytes, {held}. A step "
+            "carries at most max_num_batched_tokens tokens per micro-batch; the workspace "
+            "never grows after load: raise max_num_batched_tokens "
+            "(WorkspaceConfig.max_num_batched_tokens, vLLM --max-num-batched-tokens)"
         )
 
     # --- observability --------------------------------------------------------------

@@ -159,7 +159,11 @@ class WorkspaceConfig:
 
     Attributes:
         max_num_batched_tokens: ``T``, the most tokens one step (one
-            micro-batch) can carry; every buffer has ``T`` rows.
+            micro-batch) can carry; every buffer has ``T`` rows. Pass vLLM's
+            ``scheduler_config.max_num_batched_tokens``: the worst case of a
+            forward (prefill chunks + decode + speculative tokens, CUDA-graph
+            padding, the MTP/DSpark drafter; see ``manager``'s docstring). A
+            lease of more tokens raises ``WorkspaceCapacityError``.
         num_local_heads: q heads on this rank (``num_attention_heads / tp``).
         padded_q_heads: q heads of the padded q buffer (``padded_q_heads()``).
         head_dim: MLA head dim (512 = 448 NoPE + 64 RoPE).
@@ -168,7 +172,10 @@ class WorkspaceConfig:
         indexer_kv_dtype: ``"fp8"`` or ``"mxfp4"``; picks the indexer_q views.
         compress_ratios: one vLLM compress ratio per attention layer (drives
             which families exist and the ``private`` size).
-        num_ubatches: micro-batches (DBO); each gets its own storage.
+        num_ubatches: micro-batches (DBO); each gets its own storage. Pass
+            vLLM's ``parallel_config.num_ubatches`` when micro-batching is on
+            (2 with DBO, ``--ubatch-size`` otherwise), else 1; a lease for a
+            micro-batch id ``>= num_ubatches`` raises ``WorkspaceCapacityError``.
         include_attn_out: also reserve the ``[T, Hp, D]`` bf16 attention
             output in the ``q`` family (vLLM passes its own ``o_padded`` from
             outside the eager break, as in #49236, so this is off by default).
@@ -389,6 +396,27 @@ def plan_layout(
                 slots.append(Slot(u, f, k, off, size))
                 off += size
     return Layout(policy, tuple(slots), slot_of, off)
+
+
+def private_fit_tokens(
+    config: WorkspaceConfig, compress_ratios: Sequence[int] | None, budget_bytes: int
+) -> int:
+    """The largest ``max_num_batched_tokens`` (at most ``config``'s) at which
+    the ``private`` policy reserves at most ``budget_bytes``; 0 if none does.
+    (Bytes grow with the token count, so a bisection finds it.)"""
+
+    def total(t: int) -> int:
+        cfg = dataclasses.replace(config, max_num_batched_tokens=t)
+        return plan_layout(cfg, compress_ratios, "private").total_bytes
+
+    lo, hi = 0, config.max_num_batched_tokens
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if total(mid) <= budget_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 @dataclasses.dataclass(frozen=True)
