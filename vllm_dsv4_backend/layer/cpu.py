@@ -74,6 +74,7 @@ from vllm_dsv4_backend.ops import compressor as compressor_ops
 from vllm_dsv4_backend.ops import indexer as indexer_ops
 from vllm_dsv4_backend.vllm_compat import cpu_ops
 from vllm_dsv4_backend.workspace import WorkspaceConfig, WorkspaceManager
+from vllm_dsv4_backend.workspace.budget import reserve_budget_bytes
 
 logger = init_logger(__name__)
 
@@ -181,7 +182,13 @@ def _map_slots(
 
 
 def _num_ubatches(vllm_config: Any) -> int:
-    return 2 if getattr(vllm_config.parallel_config, "use_ubatching", False) else 1
+    """Micro-batches vLLM runs per step: ``parallel_config.num_ubatches`` (2
+    with DBO, ``--ubatch-size`` otherwise) when micro-batching is on, else 1;
+    each gets its own workspace slots (``dbo_current_ubatch_id()``)."""
+    parallel = vllm_config.parallel_config
+    if not getattr(parallel, "use_ubatching", False):
+        return 1
+    return max(1, int(getattr(parallel, "num_ubatches", 2)))
 
 
 def workspace_manager_for(vllm_config: Any, layer: DSV4CPUAttention) -> WorkspaceManager:
@@ -450,7 +457,11 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         super().process_weights_after_loading(act_dtype)
         # All layers exist by now: reserve once, before vLLM profiles memory.
         if not self._workspace.reserved:
-            self._workspace.reserve()
+            # private (a set of buffers per layer) is refused here, with the
+            # alternatives, when it exceeds the memory available now.
+            self._workspace.reserve(
+                budget_bytes=reserve_budget_bytes(self._workspace.device)
+            )
             stats = self._workspace.stats()
             logger.info(
                 "vllm_dsv4_backend workspace: policy %s, %.1f MiB reserved for %d layers",
