@@ -103,3 +103,23 @@ def test_cpu_layer_reserves_vllms_micro_batch_count(parallel, want):
     from vllm_dsv4_backend.layer import cpu
 
     assert cpu._num_ubatches(SimpleNamespace(parallel_config=parallel)) == want
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("spec", [None, {"method": "mtp", "num_speculative_tokens": 2}])
+def test_scheduler_stays_within_the_reserved_tokens(spec):
+    """The workspace reserves scheduler_config.max_num_batched_tokens rows (the CPU
+    layer passes it); vLLM's scheduler, speculative verification tokens included,
+    schedules at most that per step, and CUDA-graph sizes never exceed it."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    extra = {} if spec is None else {"speculative_config": spec}
+    cfg = EngineArgs(model=str(MODEL), load_format="dummy", tokenizer_mode="hf",
+                     max_model_len=256, kv_cache_dtype="fp8",
+                     attention_backend="FLASHMLA_SPARSE_DSV4", **extra).create_engine_config()
+    mnbt = cfg.scheduler_config.max_num_batched_tokens
+    scheduled = cfg.scheduler_config.max_num_scheduled_tokens
+    assert scheduled is None or scheduled <= mnbt
+    assert all(s <= mnbt for s in cfg.compilation_config.cudagraph_capture_sizes or [])
+    cap = cfg.compilation_config.max_cudagraph_capture_size
+    assert cap is None or cap <= mnbt
