@@ -1,0 +1,604 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Write a small stand-in ``vllm`` package whose DeepSeek-V4 control flow is
+vLLM's own, cut verbatim (by AST) out of an installed vLLM or a wheel.
+
+    python tools/cuda_graph/build_stub.py --vllm-src DIR|--wheel FILE --out build/vllm_stub/0.34
+
+What is vLLM's, verbatim (each body's fingerprint is printed and written to
+``FINGERPRINTS.txt``; the normalisation is ``vllm_compat/fingerprints.py``'s:
+decorators included, stripped non-empty lines, sha256[:16]):
+
+* ``DeepseekV4Attention``: ``forward``, ``_alloc_attn_out``,
+  ``_prepare_and_attn`` (+ ``_prepare_and_attn_eager`` where it exists),
+  ``_run_parallel_input_projections``, ``_sparse_indexer_and_attn``;
+* ``DeepseekV4Indexer.forward`` / ``._q_rope_quant``;
+* ``DeepseekCompressor.forward`` / ``._compress_norm_rope_store``;
+* ``DeepseekV4FlashMLAAttention.forward_mqa`` / ``._forward_decode``;
+* ``vllm/utils/multi_stream_utils.py`` whole;
+* ``eager_break_during_capture`` and ``BreakableCUDAGraphCapture``;
+* ``dbo_current_ubatch_id``.
+
+Everything else is a small shim written here (forward context, logger,
+platform, envs, ``CUDAGraphMode``) or a stand-in for a CUDA-only kernel or a
+module vLLM's bodies call (``tools/cuda_graph/standins.py``, copied in as
+``vllm/_harness_standins.py``). Kernel substitutions are done by binding
+the *names* the cut bodies call to stand-ins; the bodies' text is not edited.
+The one non-kernel substitution: ``_weak_ref_capture_arg`` keeps a strong
+reference (vLLM's ``weak_ref_tensor`` is a C++ op).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+ATTN = "vllm/models/deepseek_v4/attention.py"
+COMP = "vllm/models/deepseek_v4/compressor.py"
+FLASHMLA = "vllm/models/deepseek_v4/nvidia/flashmla.py"
+MSU = "vllm/utils/multi_stream_utils.py"
+BCG = "vllm/compilation/breakable_cudagraph.py"
+UBATCH = "vllm/v1/worker/ubatching.py"
+NEEDED = (ATTN, COMP, FLASHMLA, MSU, BCG, UBATCH, "vllm/version.py", "vllm/_version.py")
+
+
+def fingerprint_text(src: str) -> str:
+    lines = [ln.strip() for ln in src.splitlines() if ln.strip()]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+class Source:
+    def __init__(self, root: Path, rel: str) -> None:
+        self.rel = rel
+        self.text = (root / rel).read_text(encoding="utf-8")
+        self.lines = self.text.splitlines()
+        self.tree = ast.parse(self.text)
+
+    def node(self, qualname: str) -> ast.AST | None:
+        node: ast.AST = self.tree
+        for part in qualname.split("."):
+            found = None
+            for child in getattr(node, "body", []):
+                if isinstance(child, (ast.ClassDef, ast.FunctionDef)) and child.name == part:
+                    found = child
+            if found is None:
+                return None
+            node = found
+        return node
+
+    def cut(self, qualname: str) -> str | None:
+        node = self.node(qualname)
+        if node is None:
+            return None
+        assert isinstance(node, (ast.ClassDef, ast.FunctionDef))
+        first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+        return "\n".join(self.lines[first - 1 : node.end_lineno]) + "\n"
+
+
+class Cuts:
+    """The verbatim bodies, with their fingerprints."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.files = {rel: Source(root, rel) for rel in (ATTN, COMP, FLASHMLA, BCG, UBATCH)}
+        self.log: list[tuple[str, str, int, int]] = []
+        self.substituted: list[str] = []
+
+    def get(self, rel: str, qualname: str, required: bool = True) -> str:
+        text = self._get(rel, qualname, required)
+        for (where, old, new, why) in SUBSTITUTIONS:
+            n = text.count(old) if where == qualname else 0
+            if n:
+                text = text.replace(old, new)
+                self.substituted.append(f"{qualname}: {old!r} -> {new!r} x{n} ({why})")
+        return text
+
+    def _get(self, rel: str, qualname: str, required: bool = True) -> str:
+        src = self.files[rel]
+        text = src.cut(qualname)
+        if text is None:
+            if required:
+                raise SystemExit(f"build_stub: {qualname} not found in {rel}")
+            return ""
+        node = src.node(qualname)
+        assert isinstance(node, (ast.ClassDef, ast.FunctionDef))
+        first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+        module = rel[:-3].replace("/", ".")
+        self.log.append((f"{module}:{qualname}", fingerprint_text(text), first,
+                         node.end_lineno or first))
+        return text
+
+
+# The only edits to a cut body's text (after its fingerprint is taken), where
+# present: a kernel call with no CPU implementation. (qualname, old, new, why)
+SUBSTITUTIONS: tuple[tuple[str, str, str, str], ...] = (
+    ("DeepseekV4Attention._run_parallel_input_projections", "return torch.mm(",
+     "return S.mm_out_dtype(", "torch.mm(out_dtype=) has no CPU kernel (vLLM 0.33)"),
+)
+
+
+def _version(root: Path) -> str:
+    for rel in ("vllm/_version.py", "vllm/version.py"):
+        p = root / rel
+        if p.exists():
+            for line in p.read_text().splitlines():
+                for key in ("__version__ = version = ", "__version__ = ", "version = "):
+                    if line.startswith(key):
+                        return line[len(key):].strip().strip("'\"")
+    dist = list(root.glob("vllm-*.dist-info"))
+    if dist:
+        return dist[0].name[len("vllm-"):].split(".dist-info")[0]
+    raise SystemExit(f"build_stub: cannot tell the vLLM version under {root}")
+
+
+# --- shims -------------------------------------------------------------------------------
+
+HEADER = '''# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+# GENERATED by tools/cuda_graph/build_stub.py from vLLM {version}; do not edit or commit.
+from __future__ import annotations
+'''
+
+INIT = '''"""Stand-in vllm {version} package for the CUDA-graph harness (not vLLM)."""
+__version__ = "{version}"
+HARNESS_STUB = True
+'''
+
+ENVS = '''import os
+
+VLLM_MULTI_STREAM_GEMM_TOKEN_THRESHOLD = int(
+    os.environ.get("VLLM_MULTI_STREAM_GEMM_TOKEN_THRESHOLD", "1024"))
+VLLM_USE_BREAKABLE_CUDAGRAPH = True
+
+
+def __getattr__(name):
+    raise AttributeError(f"vllm stub envs: {name} is not part of the harness stub")
+'''
+
+LOGGER = '''import logging
+
+
+def init_logger(name):
+    return logging.getLogger(name)
+'''
+
+CONFIG = '''import enum
+
+
+class CUDAGraphMode(enum.Enum):
+    NONE = 0
+    PIECEWISE = 1
+    FULL = 2
+    FULL_DECODE_ONLY = (FULL, NONE)
+    FULL_AND_PIECEWISE = (FULL, PIECEWISE)
+
+
+class VllmConfig:  # annotation only
+    pass
+
+
+class CompilationConfig:  # annotation only
+    pass
+'''
+
+FORWARD_CONTEXT = '''import contextlib
+import dataclasses
+from typing import Any
+
+from vllm.config import CUDAGraphMode
+
+
+@dataclasses.dataclass
+class BatchDescriptor:
+    num_tokens: int = 0
+
+
+@dataclasses.dataclass
+class ForwardContext:
+    attn_metadata: Any = None
+    cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE
+    batch_descriptor: Any = None
+
+
+_forward_context: ForwardContext | None = None
+
+
+def get_forward_context() -> ForwardContext:
+    assert _forward_context is not None, "no forward context is set"
+    return _forward_context
+
+
+def is_forward_context_available() -> bool:
+    return _forward_context is not None
+
+
+@contextlib.contextmanager
+def override_forward_context(ctx):
+    global _forward_context
+    prev, _forward_context = _forward_context, ctx
+    try:
+        yield
+    finally:
+        _forward_context = prev
+
+
+def set_forward_context(attn_metadata, mode=CUDAGraphMode.NONE, batch_descriptor=None):
+    return override_forward_context(ForwardContext(attn_metadata, mode, batch_descriptor))
+'''
+
+PLATFORMS = '''import torch
+
+
+class _CudaPlatform:
+    """The harness stands for vLLM's CUDA build on any device."""
+
+    device_type = "cuda"
+
+    def is_cuda(self):
+        return True
+
+    def is_rocm(self):
+        return False
+
+    def is_xpu(self):
+        return False
+
+    def is_cpu(self):
+        return False
+
+    def fp8_dtype(self):
+        return torch.float8_e4m3fn
+
+    def get_device_capability(self):
+        return None
+
+    def get_device_name(self):
+        return "harness"
+
+
+current_platform = _CudaPlatform()
+'''
+
+IMPORT_UTILS = '''def has_cutedsl() -> bool:
+    return False
+'''
+
+MATH_UTILS = '''def round_up(x: int, y: int) -> int:
+    return ((x + y - 1) // y) * y
+'''
+
+BCG_HEAD = '''"""vLLM's eager_break_during_capture and BreakableCUDAGraphCapture, verbatim;
+the rest is a shim."""
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from vllm.config import CUDAGraphMode
+from vllm.forward_context import get_forward_context, is_forward_context_available
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _weak_ref_capture_arg(arg: Any) -> Any:
+    # Substitution: vLLM weak-refs tensor arguments with a C++ op
+    # (weak_ref_tensor); the harness keeps them (the buffers live anyway).
+    return arg
+
+
+'''
+
+UBATCH_HEAD = '''import threading
+
+_THREAD_ID_TO_CONTEXT: dict = {}
+
+
+'''
+
+ATTN_HEAD = '''"""vLLM's DeepseekV4Attention / DeepseekV4Indexer control flow, verbatim;
+the GEMMs, norms and the fused q-norm/RoPE/KV-insert are stand-ins."""
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, cast
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import vllm.envs as envs
+from vllm import _harness_standins as S
+from vllm.compilation.breakable_cudagraph import eager_break_during_capture
+from vllm.forward_context import get_forward_context
+from vllm.models.deepseek_v4.common.ops import fused_indexer_q_rope_quant
+from vllm.models.deepseek_v4.compressor import DeepseekCompressor
+from vllm.platforms import current_platform
+from vllm.utils.multi_stream_utils import execute_in_parallel, maybe_execute_in_parallel
+
+QuantizedActivation = torch.Tensor  # annotation only
+AttentionMetadata = Any
+fill_short_context_topk_indices = S.FillShortContext()
+_fill_short_context_topk_indices = fill_short_context_topk_indices
+
+
+class triton:  # noqa: N801 - the name the cut bodies use
+    @staticmethod
+    def next_power_of_2(n: int) -> int:
+        return 1 << (int(n) - 1).bit_length()
+
+
+class DeepseekV4Attention(nn.Module):
+    PREFILL_CHUNK_SIZE: ClassVar[int] = 4
+
+    # --- stand-ins (not vLLM's bodies) ------------------------------------------------
+
+    def _fused_wqa_wkv_gemm(self, hidden_states):
+        return torch.mm(hidden_states, self.w_qa_kv)
+
+    def _split_qkv_and_norm(self, qr_kv):
+        qr, kv = qr_kv.split([self.q_lora_rank, self.head_dim], dim=-1)
+        qr = S.rms_norm(qr, self.q_norm_weight, self.eps).to(qr.dtype)
+        kv = S.rms_norm(kv, self.kv_norm_weight, self.eps).to(kv.dtype)
+        return qr, None, kv
+
+    def _wq_b_proj(self, qr, qr_scale=None):
+        return torch.mm(qr, self.w_q_b)
+
+    def _fused_qnorm_rope_kv_insert(self, q, kv, positions, attn_metadata):
+        if not isinstance(attn_metadata, dict):
+            return F.pad(q, (0, 0, 0, self.padded_heads - self.n_local_heads), value=0.0)
+        swa_metadata = attn_metadata[self.swa_cache_layer.prefix]
+        cos_sin = self.rotary_emb.cos_sin_cache
+        qf = S.rope_last(S.rms_norm(q, None, self.eps), positions, cos_sin)
+        out = torch.zeros((q.shape[0], self.padded_heads, self.head_dim), dtype=q.dtype,
+                          device=q.device)
+        out[:, : self.n_local_heads].copy_(qf)
+        with S.kernel_region():
+            S.ds_store(self.swa_cache_layer.kv_cache, swa_metadata.slot_mapping,
+                       S.rope_last(kv.float(), positions, cos_sin))
+        return out
+
+'''
+
+INDEXER_HEAD = '''
+
+class DeepseekV4Indexer(nn.Module):
+
+    def _wq_b_proj(self, qr, qr_scale=None):
+        return torch.mm(qr, self.w_q_b)
+
+'''
+
+COMP_HEAD = '''"""vLLM's DeepseekCompressor.forward / _compress_norm_rope_store, verbatim;
+the kernels are stand-ins."""
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from vllm import _harness_standins as S
+from vllm.forward_context import get_forward_context
+from vllm.platforms import current_platform
+
+_SAVE_PARTIAL_STATES_KERNEL = S.save_partial_states
+compress_norm_rope_store_triton = S.compress_store
+
+
+def compress_norm_rope_store_two_stage_triton(**kwargs):
+    raise NotImplementedError("ROCm two-stage compressor: not part of the harness")
+
+
+@dataclass
+class CompressorMetadata:
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_size: int
+    token_to_req_indices: torch.Tensor | None = None
+    num_decode_tokens: int | None = None
+    c128_boundary: bool | None = None
+
+
+class DeepseekCompressor(nn.Module):
+
+'''
+
+FLASHMLA_HEAD = '''"""vLLM's DeepseekV4FlashMLAAttention.forward_mqa / _forward_decode,
+verbatim; FlashMLA, the global top-k, the prefill and o_proj are stand-ins."""
+from typing import TYPE_CHECKING, ClassVar, cast
+
+import torch
+
+from vllm import _harness_standins as S
+from vllm.forward_context import get_forward_context
+from vllm.models.deepseek_v4.attention import DeepseekV4Attention
+from vllm.models.deepseek_v4.common.ops import compute_global_topk_indices_and_lens
+from vllm.utils.math_utils import round_up
+
+flash_mla_with_kvcache = S.flash_mla_with_kvcache
+
+
+class DeepseekV4FlashMLAMetadata:  # cast() target only
+    pass
+
+
+def current_workspace_manager():
+    raise NotImplementedError("dummy runs (attn_metadata None) are not part of the harness")
+
+
+class DeepseekV4FlashMLAAttention(DeepseekV4Attention):
+
+    @classmethod
+    def get_padded_num_q_heads(cls, num_heads: int) -> int:
+        return 64 if num_heads <= 64 else 128
+
+    # --- stand-ins (not vLLM's bodies) ------------------------------------------------
+
+    def _o_proj(self, o, positions):
+        return torch.mm(o.reshape(o.shape[0], -1), self.w_o)
+
+    def _forward_prefill(self, q, positions, compressed_k_cache, swa_k_cache, output,
+                         attn_metadata, swa_metadata):
+        nd = swa_metadata.num_decode_tokens
+        n = q.shape[0]
+        parts = [(swa_k_cache, swa_metadata.prefill_swa_indices,
+                  swa_metadata.prefill_swa_lens)]
+        if self.compress_ratio == 4:
+            local = self.topk_indices_buffer[nd : nd + n]
+            g, lens = compute_global_topk_indices_and_lens(
+                local, swa_metadata.token_to_req_indices[nd : nd + n],
+                attn_metadata.block_table, attn_metadata.block_size // self.compress_ratio,
+                swa_metadata.is_valid_token[nd : nd + n])
+            parts.append((compressed_k_cache, g, lens))
+        elif self.compress_ratio == 128:
+            parts.append((compressed_k_cache, attn_metadata.c128a_prefill_topk_indices,
+                          attn_metadata.c128a_prefill_topk_lens))
+        S.nap(q)
+        with S.kernel_region():
+            output.copy_(S.sparse_attn(q, parts, self.scale, self.attn_sink))
+
+    # --- vLLM's bodies ----------------------------------------------------------------
+
+'''
+
+COMMON_OPS = '''from vllm import _harness_standins as S
+
+fused_indexer_q_rope_quant = S.fused_indexer_q_rope_quant
+compute_global_topk_indices_and_lens = S.compute_global_topk_indices_and_lens
+'''
+
+CUTEDSL = '''from vllm import _harness_standins as S
+
+_SPARSE_ATTN_COMPRESSOR_CUTEDSL_KERNEL = S.SparseAttnCompressorCuteDSL()
+'''
+
+
+def _methods(cuts: Cuts, rel: str, cls: str, names: list[str]) -> str:
+    out = []
+    for name in names:
+        text = cuts.get(rel, f"{cls}.{name}", required=name not in OPTIONAL)
+        if text:
+            out.append(text)
+    return "\n".join(out)
+
+
+OPTIONAL = {"_prepare_and_attn_eager", "_run_parallel_input_projections"}
+
+
+def build(root: Path, out: Path) -> tuple[str, list[tuple[str, str, int, int]]]:
+    version = _version(root)
+    cuts = Cuts(root)
+    files: dict[str, str] = {}
+    hdr = HEADER.format(version=version)
+
+    def put(rel: str, body: str) -> None:
+        files[rel] = hdr + body
+
+    put("vllm/__init__.py", INIT.format(version=version))
+    put("vllm/envs.py", ENVS)
+    put("vllm/logger.py", LOGGER)
+    put("vllm/config/__init__.py", CONFIG)
+    put("vllm/forward_context.py", FORWARD_CONTEXT)
+    put("vllm/platforms/__init__.py", PLATFORMS)
+    for pkg in ("vllm/utils", "vllm/compilation", "vllm/v1", "vllm/v1/worker", "vllm/models",
+                "vllm/models/deepseek_v4", "vllm/models/deepseek_v4/nvidia",
+                "vllm/models/deepseek_v4/nvidia/ops"):
+        put(f"{pkg}/__init__.py", "")
+    put("vllm/utils/import_utils.py", IMPORT_UTILS)
+    put("vllm/utils/math_utils.py", MATH_UTILS)
+    msu = (root / MSU).read_text(encoding="utf-8")
+    cuts.log.append(("vllm.utils.multi_stream_utils (whole file)", fingerprint_text(msu), 1,
+                     len(msu.splitlines())))
+    files["vllm/utils/multi_stream_utils.py"] = msu  # whole, verbatim
+    put("vllm/compilation/breakable_cudagraph.py",
+        BCG_HEAD + cuts.get(BCG, "eager_break_during_capture") + "\n\n"
+        + cuts.get(BCG, "BreakableCUDAGraphCapture"))
+    put("vllm/v1/worker/ubatching.py", UBATCH_HEAD + cuts.get(UBATCH, "dbo_current_ubatch_id"))
+    put("vllm/models/deepseek_v4/common/__init__.py", "")
+    put("vllm/models/deepseek_v4/common/ops/__init__.py", COMMON_OPS)
+    put("vllm/models/deepseek_v4/nvidia/ops/sparse_attn_compress_cutedsl.py", CUTEDSL)
+    attn_methods = ["forward", "_alloc_attn_out", "_prepare_and_attn_eager", "_prepare_and_attn",
+                    "_run_parallel_input_projections", "_sparse_indexer_and_attn"]
+    put(ATTN, ATTN_HEAD + "    # --- vLLM's bodies " + "-" * 60 + "\n\n"
+        + _methods(cuts, ATTN, "DeepseekV4Attention", attn_methods)
+        + INDEXER_HEAD + _methods(cuts, ATTN, "DeepseekV4Indexer", ["_q_rope_quant", "forward"]))
+    put(COMP, COMP_HEAD + _methods(cuts, COMP, "DeepseekCompressor",
+                                   ["forward", "_compress_norm_rope_store"]))
+    put(FLASHMLA, FLASHMLA_HEAD + _methods(cuts, FLASHMLA, "DeepseekV4FlashMLAAttention",
+                                           ["forward_mqa", "_forward_decode"]))
+    if out.exists():
+        shutil.rmtree(out)
+    for rel, text in files.items():
+        p = out / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text, encoding="utf-8")
+    shutil.copyfile(HERE / "standins.py", out / "vllm/_harness_standins.py")
+    lines = [f"# vLLM {version} bodies cut by tools/cuda_graph/build_stub.py from {root}",
+             "# symbol  fingerprint  lines"]
+    lines += [f"{sym}  {fp}  {a}-{b}" for sym, fp, a, b in cuts.log]
+    lines += [f"# substituted: {x}" for x in cuts.substituted]
+    (out / "FINGERPRINTS.txt").write_text("\n".join(lines) + "\n")
+    for x in cuts.substituted:
+        print(f"  substituted in {x}")
+    return version, cuts.log
+
+
+def known_fingerprints(version: str) -> dict[str, str]:
+    """The plugin's recorded fingerprints for this minor (empty if unavailable)."""
+    try:
+        sys.path.insert(0, str(HERE.parent.parent))
+        from vllm_dsv4_backend.vllm_compat import fingerprints
+    except Exception:  # noqa: BLE001 - best effort (it may need vLLM)
+        return {}
+    minor = ".".join(version.split(".")[:2])
+    return dict(getattr(fingerprints, "KNOWN", {}).get(minor, {}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--vllm-src", help="directory holding the vllm package (its parent)")
+    src.add_argument("--wheel", help="a vllm wheel file")
+    ap.add_argument("--out", required=True, help="output folder (replaced)")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.wheel:
+            root = Path(tmp)
+            with zipfile.ZipFile(args.wheel) as z:
+                names = [n for n in z.namelist()
+                         if n in NEEDED or (n.startswith("vllm-") and n.endswith("METADATA"))]
+                z.extractall(root, names)
+        else:
+            root = Path(args.vllm_src)
+            if (root / "vllm" / "__init__.py").exists():
+                pass
+            elif (root / "__init__.py").exists() and root.name == "vllm":
+                root = root.parent
+            else:
+                raise SystemExit(f"build_stub: no vllm package under {root}")
+        out = Path(args.out)
+        version, log = build(root, out)
+    known = known_fingerprints(version)
+    print(f"build_stub: vLLM {version} -> {out}")
+    for sym, fp, a, b in log:
+        want = known.get(sym)
+        note = "" if want is None else ("  (= plugin's fingerprints.py)" if want == fp
+                                        else f"  (plugin's fingerprints.py: {want})")
+        print(f"  {fp}  {sym}  lines {a}-{b}{note}")
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"build_stub: {size / 1024:.0f} KiB written")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    sys.exit(main())
