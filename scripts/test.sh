@@ -19,12 +19,15 @@ core_rc=0
 echo "== tests/core again with import vllm blocked (DSV4_CORE_NO_VLLM=1)"
 DSV4_CORE_NO_VLLM=1 .venv/bin/python -m pytest -ra -p vllm_dsv4_backend.testing.no_vllm tests/core \
   || core_rc=$?
-# tests/cuda: vLLM 0.33's real CUDA classes imported on CPU, in their own venv
-# (.venv-vllm033, built when missing by scripts/setup_vllm033.sh; no CUDA kernel runs).
+# tests/cuda: vLLM 0.33's and 0.34's real CUDA classes imported on CPU, each in
+# its own venv (.venv-vllm033 / .venv-vllm034, built when missing by
+# scripts/setup_vllm_cuda.sh; no CUDA kernel runs).
 cuda_rc=0
-echo "== tests/cuda in .venv-vllm033 (vLLM 0.33.0 --no-deps on a CPU torch)"
-bash scripts/setup_vllm033.sh && .venv-vllm033/bin/python -m pytest -ra tests/cuda \
-  || cuda_rc=$?
+for minor in 0.33 0.34; do
+  echo "== tests/cuda in .venv-vllm${minor/./} (vLLM $minor.0 --no-deps on a CPU torch)"
+  bash scripts/setup_vllm_cuda.sh "$minor" \
+    && ".venv-vllm${minor/./}/bin/python" -m pytest -ra tests/cuda || cuda_rc=$?
+done
 if [ "$rc" -ne 0 ]; then exit "$rc"; fi
 if [ "$core_rc" -ne 0 ]; then exit "$core_rc"; fi
 exit "$cuda_rc"

@@ -3,12 +3,19 @@
 """The ``vllm.general_plugins`` entry point: ``vllm_dsv4_backend.plugin:register``.
 
 vLLM calls :func:`register` once in every process it starts (API server /
-``LLM`` process, engine core, each worker). It is idempotent (module flag),
-cheap (no DeepSeek-V4 module is imported here: patches are armed and applied
-when vLLM itself imports their targets, see :mod:`vllm_dsv4_backend.vllm_compat`)
-and loud: an unsupported vLLM version raises ``RuntimeError`` unless
-``VLLM_DSV4_SKIP_VERSION_CHECK=1``, and a missing hook point raises
-``PatchError`` when its module is imported.
+``LLM`` process, engine core, each worker), for every model. It is idempotent
+(module flag), cheap (no DeepSeek-V4 module is imported here: patches are
+armed and applied when vLLM itself imports their targets, see
+:mod:`vllm_dsv4_backend.vllm_compat`) and it never makes vLLM fail for a
+combination it does not support: an unknown vLLM version, a platform
+without a plugin layer, or a hook point that changed (a patch release) is
+logged as one ERROR line naming the installed vLLM, the supported versions
+and what the plugin did (installed nothing, or only the platform-neutral
+config hooks; vLLM's own DeepSeek-V4 layer kept), and vLLM serves every
+model as if the plugin were absent. Only an explicit request fails:
+``VLLM_DSV4_ATTN_IMPL=plugin`` on an unsupported combination raises
+``RuntimeError`` with the same message at startup.
+``VLLM_DSV4_SKIP_VERSION_CHECK=1`` loads it on an unknown vLLM version anyway.
 
 Per process it logs one line through vLLM's handlers::
 
@@ -128,8 +135,44 @@ def _select_attention_layer(platform: str) -> str:
     return f"plugin {attention.LAYER_MODULE} (VLLM_DSV4_ATTN_IMPL={impl})"
 
 
+def _stand_aside(problem: str, vllm_version: str, platform: str) -> tuple[list[str], str]:
+    """Log why the plugin stands aside in this process; arm only what is safe.
+
+    On a vLLM minor the plugin knows (a platform without a plugin layer) the
+    platform-neutral config hooks stay armed (``use_fp4_indexer_cache``, the
+    architecture check); on an unknown vLLM nothing is installed.
+    """
+    from vllm_dsv4_backend.vllm_compat import patches, version
+
+    supported = version.supported_versions_text()
+    if envs.VLLM_DSV4_ATTN_IMPL == "plugin":
+        raise RuntimeError(
+            f"{problem}; supported: {supported}. VLLM_DSV4_ATTN_IMPL=plugin asks for the "
+            "plugin's layer: unset it (or set VLLM_DSV4_ATTN_IMPL=vllm) to serve with vLLM's "
+            "own DeepSeek-V4 layer"
+        )
+    if version.is_known_version(vllm_version):
+        envs.register_with_vllm()
+        armed = patches.arm(platform, _on_applied, strict=False, neutral_only=True)
+        did = (f"kept vLLM's own DeepSeek-V4 layer; installed only the config hooks "
+               f"({', '.join(armed)})")
+    else:
+        armed = []
+        did = "installed nothing; vLLM's own DeepSeek-V4 layer and config handling are kept"
+    logger.error(
+        "%s; supported: %s. vllm_dsv4_backend %s %s, and vLLM serves every model as if the "
+        "plugin were absent (VLLM_DSV4_ATTN_IMPL=plugin makes this an error)",
+        problem, supported, __version__, did,
+    )
+    return armed, f"vllm (plugin stood aside: {problem})"
+
+
 def register() -> None:
-    """Entry point of the ``vllm.general_plugins`` group (idempotent)."""
+    """Entry point of the ``vllm.general_plugins`` group (idempotent).
+
+    Never raises for an unsupported combination unless
+    ``VLLM_DSV4_ATTN_IMPL=plugin`` (see the module docstring).
+    """
     global _REGISTERED
     with _lock:
         if _REGISTERED:
@@ -139,10 +182,11 @@ def register() -> None:
 
         from vllm_dsv4_backend.vllm_compat import patches, version
 
-        vllm_version = str(vllm.__version__)
-        version.check_vllm_version(vllm_version)
-        envs.register_with_vllm()
-        platform = _platform_name()
+        vllm_version = str(getattr(vllm, "__version__", "unknown"))
+        try:
+            platform = _platform_name()
+        except Exception as e:  # noqa: BLE001 - a vLLM whose platform API moved
+            platform = f"unknown ({type(e).__name__}: {e})"
         _state.update(
             role=process_role(),
             pid=os.getpid(),
@@ -152,8 +196,19 @@ def register() -> None:
             vllm_version=vllm_version,
             platform=platform,
         )
+        problem = version.support_problem(vllm_version, platform)
+        if problem is not None:
+            armed, layer = _stand_aside(problem, vllm_version, platform)
+            _state.update(armed=armed, attention_layer=layer, stood_aside=problem)
+            _REGISTERED = True
+            _write_marker()
+            return
+        envs.register_with_vllm()
         # Every patch of vLLM is an entry of the registry (vllm_compat.patches).
-        armed = patches.arm(platform, _on_applied)
+        # A hook point that differs (a patch release) is an ERROR log and vLLM's
+        # code kept, unless the plugin was asked for explicitly.
+        strict = envs.VLLM_DSV4_ATTN_IMPL == "plugin"
+        armed = patches.arm(platform, _on_applied, strict=strict)
         layer = _select_attention_layer(platform)
         _state.update(armed=armed, attention_layer=layer)
         _REGISTERED = True

@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""tests/cuda: vLLM 0.33's real CUDA classes, imported on CPU (.venv-vllm033).
+"""tests/cuda: vLLM 0.33's and 0.34's real CUDA classes, imported on CPU
+(.venv-vllm033, .venv-vllm034).
 
-Build the environment with ``bash scripts/setup_vllm033.sh``; ``scripts/test.sh``
-does it when it is missing and runs this directory there. Under any other vLLM
-(the 0.32 CPU build in .venv) or without vLLM the whole directory is skipped.
+Build the environments with ``bash scripts/setup_vllm_cuda.sh 0.33|0.34``;
+``scripts/test.sh`` does it when one is missing and runs this directory in each.
+Under any other vLLM (the 0.32 CPU build in .venv) or without vLLM the whole
+directory is skipped.
 
 ``VLLM_TARGET_DEVICE=cpu`` is set before vLLM is imported: vLLM then picks its
 CPU platform (the plugin registers its config hooks for cpu and cuda only),
@@ -26,7 +28,7 @@ def _vllm_version() -> str | None:
         return None
 
 
-if (_vllm_version() or "").startswith("0.33."):
+if (_vllm_version() or "").startswith(("0.33.", "0.34.")):
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-# Each test module starts with _cuda_guard.require_vllm033() (a module-level
-# skip), because the modules import vLLM 0.33 names at import time.
+# Each test module starts with _cuda_guard.require_vllm_cuda() (a module-level
+# skip), because the modules import vLLM 0.33 / 0.34 names at import time.

@@ -22,9 +22,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from _cuda_guard import require_vllm033
+from _cuda_guard import require_vllm_cuda
 
-require_vllm033()
+require_vllm_cuda()
 
 SCRIPT = textwrap.dedent(r'''
     import json, sys

@@ -47,9 +47,9 @@ from typing import Any
 
 import pytest
 import torch
-from _cuda_guard import require_vllm033
+from _cuda_guard import require_vllm_cuda
 
-require_vllm033()
+require_vllm_cuda()
 
 import torch.nn as nn  # noqa: E402
 from vllm.forward_context import override_forward_context  # noqa: E402

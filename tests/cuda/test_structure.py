@@ -1,18 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The facts the plugin's CUDA layer relies on, against vLLM 0.33's real
-classes (imported on CPU), and its installation by ``register()`` on a
-simulated CUDA platform."""
+"""The facts the plugin's CUDA layer relies on, against vLLM 0.33's and 0.34's
+real classes (imported on CPU, one environment each), and its installation by
+``register()`` on a simulated CUDA platform."""
 
 from __future__ import annotations
 
 import inspect
+import json
+import subprocess
+import sys
 import types
 
 import pytest
-from _cuda_guard import require_vllm033
+from _cuda_guard import require_vllm_cuda, vllm_minor
 
-require_vllm033()
+require_vllm_cuda()
+MINOR = vllm_minor()
 
 import vllm.models.deepseek_v4.nvidia.model as nvm  # noqa: E402
 from vllm.models.deepseek_v4.attention import DeepseekV4Attention  # noqa: E402
@@ -80,9 +84,16 @@ def test_submodule_override_signatures(owner: type, base: type, name: str) -> No
 
 
 def test_decorators_kept() -> None:
-    # vLLM decorates these with eager_break_during_capture...
-    for name in ("_sparse_indexer_and_attn", "_prepare_and_attn_eager"):
+    # vLLM decorates these with eager_break_during_capture (0.34 removed MRV1's
+    # _prepare_and_attn_eager)...
+    assert set(cuda.DECORATED[MINOR]) == {
+        n for n in dir(DeepseekV4Attention)
+        if hasattr(getattr(DeepseekV4Attention, n), "__wrapped__")
+        and n.startswith("_") and not n.startswith("__")
+    }
+    for name in cuda.DECORATED[MINOR]:
         assert hasattr(getattr(DeepseekV4Attention, name), "__wrapped__"), name
+    assert hasattr(DeepseekV4Attention, "_prepare_and_attn_eager") == (MINOR == "0.33")
     # ...and every override of a decorated method carries it again.
     for name, fn in PLUGIN.__dict__.items():
         base = getattr(DeepseekV4FlashMLAAttention, name, None)
@@ -101,8 +112,9 @@ def test_patch_point_reaches_every_decoder_layer() -> None:
     assert attention.check_cuda_hook_points(nvm) is nvm.DeepseekV4FlashMLAAttention
 
 
-def test_copied_bodies_match_vllm_033() -> None:
-    fingerprints.check(cuda.COPIED_VLLM_BODIES, "0.33")
+def test_copied_bodies_match_this_vllm() -> None:
+    fingerprints.check(cuda.COPIED_VLLM_BODIES, MINOR)
+    fingerprints.check(cuda.FENCE_CONTROL_FLOW[MINOR], MINOR)
     cuda.check_kernel_signatures()
     for (module, qualname), want in cuda.SOURCE_BODIES.items():
         assert cuda.source_fingerprint(module, qualname) == want
@@ -110,7 +122,7 @@ def test_copied_bodies_match_vllm_033() -> None:
 
 def test_fingerprint_drift_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
     symbol = cuda.COPIED_VLLM_BODIES[0]
-    monkeypatch.setitem(fingerprints.KNOWN["0.33"], symbol, "0" * 16)
+    monkeypatch.setitem(fingerprints.KNOWN[MINOR], symbol, "0" * 16)
     cuda._checked.cache_clear()
     try:
         with pytest.raises(hooks.PatchError, match="source changed"):
@@ -173,13 +185,13 @@ def test_register_on_cuda_installs_the_module_global(simulated_cuda) -> None:
 def test_install_fails_closed_on_another_version(simulated_cuda, monkeypatch, caplog) -> None:
     import vllm
 
-    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
     seen: list[str] = []
     attention.install_attention_layer(PLUGIN, platform="cuda", on_applied=seen.append,
                                       optional=True)
     assert nvm.DeepseekV4FlashMLAAttention is DeepseekV4FlashMLAAttention
-    assert seen and "not installed" in seen[0] and "0.33" in seen[0]
-    with pytest.raises(hooks.PatchError, match="0.33"):
+    assert seen and "not installed" in seen[0] and "0.33" in seen[0] and "0.34" in seen[0]
+    with pytest.raises(hooks.PatchError, match="0.34"):
         attention.install_attention_layer(PLUGIN, platform="cuda", optional=False)
     assert nvm.DeepseekV4FlashMLAAttention is DeepseekV4FlashMLAAttention
 
@@ -223,3 +235,107 @@ def test_mxfp4_below_sm100_is_a_clear_startup_error(monkeypatch) -> None:
     fp8 = types.SimpleNamespace(attention_config=types.SimpleNamespace(
         resolve_indexer_kv_dtype=lambda default: default))
     cuda.check_mxfp4_arch(fp8)  # no error
+
+
+def test_fenced_control_flow_drift_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The fork/join the fences rely on is fingerprinted like the copied bodies.
+    symbol = "vllm.utils.multi_stream_utils:execute_in_parallel"
+    assert symbol in cuda.FENCE_CONTROL_FLOW[MINOR]
+    monkeypatch.setitem(fingerprints.KNOWN[MINOR], symbol, "0" * 16)
+    cuda._checked.cache_clear()
+    try:
+        with pytest.raises(hooks.PatchError, match="execute_in_parallel"):
+            cuda.layer_cls()
+    finally:
+        cuda._checked.cache_clear()
+
+
+def test_process_weights_after_loading_takes_no_arguments() -> None:
+    # 0.34's loader (finalize_model_weights) calls hook() with no arguments,
+    # 0.33's with the model dtype: both reserve the workspace once.
+    import torch
+
+    from vllm_dsv4_backend.workspace import WorkspaceConfig, WorkspaceManager
+
+    params = inspect.signature(PLUGIN.process_weights_after_loading).parameters
+    assert all(p.default is not inspect.Parameter.empty for n, p in params.items()
+               if n != "self")
+    layer = PLUGIN.__new__(PLUGIN)
+    torch.nn.Module.__init__(layer)
+    layer.prefix, layer.compress_ratio, layer.indexer, layer.compressor = "l.0", 1, None, None
+    cfg = WorkspaceConfig(max_num_batched_tokens=8, num_local_heads=16, padded_q_heads=64,
+                          head_dim=512, index_n_heads=64, index_head_dim=128, index_topk=16,
+                          indexer_kv_dtype="fp8", num_ubatches=1, include_attn_out=True,
+                          include_q=False)
+    ws = WorkspaceManager(cfg, layers=[], device="cpu")
+    layer._dsv4_attach(ws)
+    layer.process_weights_after_loading()
+    assert ws.reserved
+    layer.process_weights_after_loading(torch.bfloat16)  # 0.33's call: idempotent
+    assert ws.reserved
+
+
+@pytest.mark.parametrize("kwargs,want", [
+    (dict(enable_dbo=False, ubatch_size=0), 1),
+    (dict(enable_dbo=True, ubatch_size=0), 2),
+    (dict(enable_dbo=False, ubatch_size=4), 4),
+])
+def test_micro_batches_from_vllms_parallel_config(kwargs, want) -> None:
+    from vllm.config import ParallelConfig
+
+    pc = ParallelConfig.__new__(ParallelConfig)
+    for k, v in kwargs.items():
+        object.__setattr__(pc, k, v)
+    assert cuda.num_ubatches(pc) == want
+    assert want == (pc.num_ubatches if pc.use_ubatching else 1)
+
+
+_LOAD = """
+import json, logging, os
+records = []
+class H(logging.Handler):
+    def emit(self, r):
+        records.append((r.levelname, r.getMessage()))
+for name in ("vllm", "vllm_dsv4_backend"):
+    logging.getLogger(name).addHandler(H())
+    logging.getLogger(name).propagate = False
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+import vllm_dsv4_backend.plugin as plugin
+import vllm.models.deepseek_v4.nvidia.model as nvm
+from vllm.models.deepseek_v4.nvidia.flashmla import DeepseekV4FlashMLAAttention
+print(json.dumps({"state": plugin.state(),
+                  "errors": sorted({m for lvl, m in records if lvl == "ERROR"}),
+                  "layer_is_vllms": nvm.DeepseekV4FlashMLAAttention
+                  is DeepseekV4FlashMLAAttention}))
+"""
+
+
+def _load_general_plugins(env: dict[str, str]) -> subprocess.CompletedProcess:
+    import os
+
+    full = dict(os.environ, VLLM_TARGET_DEVICE="cpu", **env)
+    return subprocess.run([sys.executable, "-c", _LOAD], capture_output=True, text=True,
+                          env=full, timeout=300)
+
+
+def test_vllm_cuda_build_on_the_cpu_platform_stands_aside() -> None:
+    # vLLM 0.33 / 0.34 on the CPU platform: the plugin has no layer there;
+    # load_general_plugins() returns, one ERROR line names the cause, and a
+    # DeepSeek-V4 model gets vLLM's own layer.
+    proc = _load_general_plugins({"VLLM_DSV4_ATTN_IMPL": "auto"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["layer_is_vllms"]
+    assert r["state"]["stood_aside"]
+    lines = [e for e in r["errors"] if "cpu platform" in e]
+    assert len(lines) == 1, r["errors"]
+    assert f"vLLM {MINOR}.0" in lines[0] and "0.32.x" in lines[0] and "0.34.x" in lines[0]
+    # The platform-neutral config hooks stay (use_fp4_indexer_cache keeps parsing).
+    assert "attention_config_json" in r["state"]["armed"]
+    assert not any(a.startswith("T") for a in r["state"]["armed"])
+    # Asked for explicitly, the same combination is a clear startup error.
+    proc = _load_general_plugins({"VLLM_DSV4_ATTN_IMPL": "plugin"})
+    assert proc.returncode != 0
+    assert "RuntimeError" in proc.stderr and "cpu platform" in proc.stderr
+    assert "VLLM_DSV4_ATTN_IMPL=plugin" in proc.stderr

@@ -173,34 +173,104 @@ def test_version_gate():
     assert version.check_vllm_version("0.32.0") == (0, 32)
     assert version.check_vllm_version("0.32.0+cpu") == (0, 32)
     assert version.check_vllm_version("0.33.1") == (0, 33)
+    assert version.check_vllm_version("0.34.0") == (0, 34)
     import vllm
 
     version.check_vllm_version(vllm.__version__)
     with pytest.raises(RuntimeError) as e:
         version.check_vllm_version("0.31.2")
     msg = str(e.value)
-    assert "0.31.2" in msg and "0.32.x" in msg and "0.33.x" in msg
+    assert "0.31.2" in msg and "0.32.x" in msg and "0.33.x" in msg and "0.34.x" in msg
     assert "VLLM_DSV4_SKIP_VERSION_CHECK=1" in msg
+    # (version, platform) combinations the plugin has a layer for.
+    assert version.support_problem("0.32.0+cpu", "cpu") is None
+    assert version.support_problem("0.33.0", "cuda") is None
+    assert version.support_problem("0.34.0", "cuda") is None
+    assert "cpu platform" in version.support_problem("0.33.0", "cpu")
+    assert "cpu platform" in version.support_problem("0.34.0", "cpu")
+    assert "rocm platform" in version.support_problem("0.34.0", "rocm")
+    assert "cuda platform" in version.support_problem("0.32.0", "cuda")
+    assert "0.35.0" in version.support_problem("0.35.0", "cuda")
 
 
 def test_version_gate_override(monkeypatch):
     monkeypatch.setenv("VLLM_DSV4_SKIP_VERSION_CHECK", "1")
     assert version.check_vllm_version("0.40.0") == (0, 40)
+    assert version.support_problem("0.40.0", "cuda") is None
+    # The override is about versions: a platform without a layer stays one.
+    assert version.support_problem("0.40.0", "tpu") is not None
 
 
-def test_register_refuses_unsupported_vllm_in_fresh_process():
-    code = """
-    import json, vllm
-    vllm.__version__ = "0.29.1"
-    from vllm_dsv4_backend import plugin
-    try:
-        plugin.register()
-        print(json.dumps({"raised": None}))
-    except RuntimeError as e:
-        print(json.dumps({"raised": str(e)}))
-    """
-    r = _run_python(code)
-    assert r["raised"] is not None and "0.29.1" in r["raised"] and "0.32.x" in r["raised"]
+# What vLLM serves once the plugins are loaded through vLLM's own loader, as in
+# every vLLM process: load_general_plugins() must return, the log must name
+# the cause, and a DeepSeek-V4 model must get vLLM's own layer.
+_STAND_ASIDE = """
+import json, logging, sys
+import vllm
+{setup}
+records = {{}}
+class H(logging.Handler):
+    def emit(self, r):  # a record seen by both loggers counts once
+        records[(r.levelname, r.getMessage(), r.created)] = 1
+for name in ("vllm", "vllm_dsv4_backend"):
+    logging.getLogger(name).addHandler(H())
+from vllm.plugins import load_general_plugins
+out = {{}}
+try:
+    load_general_plugins()
+    out["raised"] = None
+except Exception as e:
+    out["raised"] = type(e).__name__ + ": " + str(e)
+import vllm_dsv4_backend.plugin as plugin
+out["state"] = plugin.state()
+if out["raised"] is None:
+    # What vLLM does when it builds a DeepSeek-V4 model (the layer hook fires).
+    import vllm.models.deepseek_v4.cpu.model as cpu_model
+    from vllm.models.deepseek_v4.cpu import cpu_sparse
+    out["layer_is_vllms"] = cpu_model.DeepseekV4CPUAttention is cpu_sparse.DeepseekV4CPUAttention
+out["errors"] = [m for lvl, m, _ in records if lvl == "ERROR"]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("case,setup,cause", [
+    ("unknown_version", 'vllm.__version__ = "0.35.0"', "does not support vLLM 0.35.0"),
+    ("no_layer_for_platform", 'vllm.__version__ = "0.34.0"',
+     "no DeepSeek-V4 layer for vLLM 0.34.0 on the cpu platform"),
+    ("changed_body", ("from vllm_dsv4_backend.vllm_compat import fingerprints\n"
+     "fingerprints.KNOWN['0.32'] = {k: '0' * 16 for k in fingerprints.KNOWN['0.32']}"),
+     "source changed"),
+])
+def test_unsupported_combination_stands_aside(case, setup, cause):
+    r = _run_python(_STAND_ASIDE.format(setup=setup), env={"VLLM_DSV4_ATTN_IMPL": "auto"})
+    assert r["raised"] is None, r
+    assert r["layer_is_vllms"], "a DeepSeek-V4 model must get vLLM's own layer"
+    errors = [e for e in r["errors"] if cause in e]
+    assert len(errors) == 1, r["errors"]
+    if case != "changed_body":
+        # One line: the installed vLLM, the supported versions, what it did.
+        assert "0.32.x" in errors[0] and "0.33.x" in errors[0] and "0.34.x" in errors[0]
+        assert "vLLM serves every model as if the plugin were absent" in errors[0]
+        assert r["state"]["stood_aside"]
+    else:
+        assert "keeping vLLM's own DeepSeek-V4 attention layer" in errors[0]
+
+
+@pytest.mark.parametrize("setup", ['vllm.__version__ = "0.35.0"', 'vllm.__version__ = "0.34.0"'])
+def test_explicit_request_on_unsupported_combination_fails(setup):
+    r = _run_python(_STAND_ASIDE.format(setup=setup), env={"VLLM_DSV4_ATTN_IMPL": "plugin"})
+    assert r["raised"] is not None and r["raised"].startswith("RuntimeError")
+    assert "0.32.x" in r["raised"] and "0.34.x" in r["raised"]
+    assert "VLLM_DSV4_ATTN_IMPL=plugin" in r["raised"]
+
+
+def test_skip_version_check_keeps_its_meaning():
+    r = _run_python(_STAND_ASIDE.format(setup='vllm.__version__ = "0.32.9"'),
+                    env={"VLLM_DSV4_SKIP_VERSION_CHECK": "1"})
+    assert r["raised"] is None and "stood_aside" not in r["state"]
+    r = _run_python(_STAND_ASIDE.format(setup='vllm.__version__ = "0.35.0"'),
+                    env={"VLLM_DSV4_SKIP_VERSION_CHECK": "1", "VLLM_DSV4_ATTN_IMPL": "auto"})
+    assert r["raised"] is None and "stood_aside" not in r["state"]
 
 
 def test_env_vars_lazy_validated_and_known_to_vllm(monkeypatch):

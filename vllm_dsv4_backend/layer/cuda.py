@@ -1,7 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The plugin's DeepSeek-V4 layer on CUDA: vLLM 0.33's
-``DeepseekV4FlashMLAAttention`` plus the workspace.
+"""The plugin's DeepSeek-V4 layer on CUDA: vLLM 0.33's and 0.34's
+``DeepseekV4FlashMLAAttention`` plus the workspace (one module for both: the
+bodies the layer repeats are identical in the two; 0.34 changed three
+fingerprinted bodies by one line each, removed ``_prepare_and_attn_eager``
+(MRV1) and calls ``process_weights_after_loading()`` with no arguments).
 
 The layer keeps vLLM's ``backend_cls`` (``DeepseekV4FlashMLABackend``: the KV
 specs, metadata builders and JIT warm-up key on ``FLASHMLA_SPARSE_DSV4``),
@@ -10,7 +13,7 @@ CuTe DSL / Triton fused ops). What changes is where the outputs of the eager
 region go:
 
 ==========================================  ====================================  ==========
-buffer (vLLM 0.33 allocation)               now                                   stream
+buffer (vLLM 0.33 / 0.34 allocation)        now                                   stream
 ==========================================  ====================================  ==========
 attention output ``_alloc_attn_out``        workspace ``q.out``                   default
 indexer q values / MXFP4 scales / weights   workspace ``indexer_q`` through the   aux0
@@ -24,7 +27,7 @@ C4 decode global top-k indices and lengths  workspace ``topk.global``/``lens``  
                                             LENS_KERNEL``
 ==========================================  ====================================  ==========
 
-Where vLLM 0.33 has **no output variant**, the allocation stays vLLM's and
+Where vLLM has **no output variant**, the allocation stays vLLM's and
 is not reimplemented here: the fused q-norm/RoPE/KV-insert
 (``fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert`` returns the padded
 q), DeepGEMM's MQA logits (``fp8_fp4_mqa_logits`` / ``..._paged_...``) and
@@ -82,6 +85,7 @@ from vllm.models.deepseek_v4.nvidia.flashmla import DeepseekV4FlashMLAAttention
 
 from vllm_dsv4_backend import attention_config, eager, envs, testing
 from vllm_dsv4_backend.workspace import WorkspaceConfig, WorkspaceManager
+from vllm_dsv4_backend.workspace.budget import reserve_budget_bytes
 from vllm_dsv4_backend.workspace.streams import CudaStreamBackend
 
 logger = init_logger(__name__)
@@ -100,7 +104,8 @@ __all__ = [
     "workspace_manager_for",
 ]
 
-SUPPORTED_VLLM = (0, 33)
+# The vLLM minor versions this module was read against.
+SUPPORTED_VLLM: tuple[tuple[int, int], ...] = ((0, 33), (0, 34))
 
 # vLLM methods whose body an override here repeats with only the output
 # buffers (and the kernel indirection) changed, or whose behaviour an override
@@ -119,6 +124,33 @@ COPIED_VLLM_BODIES: tuple[str, ...] = (
     "vllm.models.deepseek_v4.nvidia.flashmla:DeepseekV4FlashMLAAttention._forward_decode",
     "vllm.models.deepseek_v4.nvidia.flashmla:DeepseekV4FlashMLAAttention.forward_mqa",
 )
+
+# vLLM control flow the workspace fences' soundness rests on (not repeated
+# here, but relied on: the aux-stream fork/join that orders every hand-over
+# at graph replay, the eager break and the breakable capture, the
+# compressor's stream choice and the parallel input projections; see
+# docs/workspace.md), per vLLM minor version: fingerprinted so a change is
+# a loud refusal instead of a silent race.
+_FENCE_CONTROL_FLOW_COMMON = (
+    "vllm.utils.multi_stream_utils:execute_in_parallel",
+    "vllm.utils.multi_stream_utils:maybe_execute_in_parallel",
+    "vllm.compilation.breakable_cudagraph:eager_break_during_capture",
+    "vllm.compilation.breakable_cudagraph:BreakableCUDAGraphCapture",
+    "vllm.models.deepseek_v4.compressor:DeepseekCompressor.forward",
+    "vllm.models.deepseek_v4.attention:DeepseekV4Attention._run_parallel_input_projections",
+)
+FENCE_CONTROL_FLOW: dict[str, tuple[str, ...]] = {
+    "0.33": (*_FENCE_CONTROL_FLOW_COMMON,
+             "vllm.models.deepseek_v4.attention:DeepseekV4Attention._prepare_and_attn_eager"),
+    "0.34": _FENCE_CONTROL_FLOW_COMMON,
+}
+
+# vLLM methods decorated with eager_break_during_capture, per minor version
+# (0.34 removed MRV1 and with it _prepare_and_attn_eager).
+DECORATED: dict[str, tuple[str, ...]] = {
+    "0.33": ("_sparse_indexer_and_attn", "_prepare_and_attn_eager"),
+    "0.34": ("_sparse_indexer_and_attn",),
+}
 
 # Kernel objects called with caller-owned outputs: (module, class.__call__,
 # parameter names). Checked from the module's source text (no import).
@@ -157,7 +189,8 @@ KERNEL_SIGNATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 )
 
 # Bodies mirrored from modules that import ``cutlass`` (no import on CPU):
-# (module, qualname) -> fingerprint of the source text, vLLM 0.33.0.
+# (module, qualname) -> fingerprint of the source text, vLLM 0.33.0 and 0.34.0
+# (the file is byte-identical in both).
 SOURCE_BODIES: dict[tuple[str, str], str] = {
     # DSV4CudaCompressor._compress_norm_rope_store repeats its C128 branch.
     ("vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl",
@@ -374,6 +407,15 @@ def _indexer_kv_dtype(vllm_config: Any) -> str:
     return value if value in ("fp8", "mxfp4") else "fp8"
 
 
+def num_ubatches(parallel_config: Any) -> int:
+    """Micro-batches vLLM runs per step: ``parallel_config.num_ubatches``
+    (2 with DBO, ``--ubatch-size`` otherwise) when micro-batching is on, else 1;
+    each gets its own workspace slots (``dbo_current_ubatch_id()``)."""
+    if not getattr(parallel_config, "use_ubatching", False):
+        return 1
+    return max(1, int(getattr(parallel_config, "num_ubatches", 2)))
+
+
 def make_workspace(
     config: WorkspaceConfig, *, device: torch.device | str, streams: Any = None
 ) -> WorkspaceManager:
@@ -412,8 +454,7 @@ def workspace_manager_for(
                 index_head_dim=int(hf.index_head_dim),
                 index_topk=int(hf.index_topk),
                 indexer_kv_dtype=_indexer_kv_dtype(vllm_config),
-                num_ubatches=2 if getattr(vllm_config.parallel_config, "use_ubatching",
-                                          False) else 1,
+                num_ubatches=num_ubatches(vllm_config.parallel_config),
                 # The attention output is leased; the padded q comes back from
                 # vLLM's fused q-norm/RoPE/KV-insert kernel (no out variant).
                 include_attn_out=True,
@@ -581,7 +622,7 @@ class DSV4CudaCompressor(DeepseekCompressor):
 
 
 class DSV4FlashMLAAttention(DeepseekV4FlashMLAAttention):
-    """DeepSeek-V4 attention served by the plugin (CUDA build of vLLM 0.33)."""
+    """DeepSeek-V4 attention served by the plugin (CUDA build of vLLM 0.33 / 0.34)."""
 
     # backend_cls / swa_backend_cls: vLLM's, inherited on purpose.
 
@@ -599,6 +640,8 @@ class DSV4FlashMLAAttention(DeepseekV4FlashMLAAttention):
         super().__init__(vllm_config, prefix, topk_indices_buffer, aux_stream_list)
         model_key = aux_stream_list if aux_stream_list is not None else topk_indices_buffer
         self._dsv4_attach(workspace_manager_for(vllm_config, self, model_key))
+        cache_config = getattr(vllm_config, "cache_config", None)
+        self._dsv4_memory_utilization = getattr(cache_config, "gpu_memory_utilization", None)
 
     def _dsv4_attach(
         self, workspace: WorkspaceManager, kernels: VllmCudaKernels | None = None
@@ -611,6 +654,7 @@ class DSV4FlashMLAAttention(DeepseekV4FlashMLAAttention):
         self._dsv4_steps: dict[int, eager.Step] = {}
         self._dsv4_homes: dict[int, Any] = {}
         self._dsv4_logged = False
+        self._dsv4_memory_utilization: float | None = None
         workspace.add_layer(self.prefix, self.compress_ratio)
         if self.indexer is not None:
             if not isinstance(self.indexer, DSV4CudaIndexer):
@@ -649,7 +693,9 @@ class DSV4FlashMLAAttention(DeepseekV4FlashMLAAttention):
         ws = self._workspace
         if ws.reserved:
             return
-        ws.reserve()
+        # `private` is refused here, with the bytes and the budget, when one
+        # set of buffers per layer does not fit next to vLLM's share of memory.
+        ws.reserve(budget_bytes=reserve_budget_bytes(ws.device, self._dsv4_memory_utilization))
         stats = ws.stats()
         logger.info(
             "vllm_dsv4_backend workspace (CUDA): policy %s, %.1f MiB reserved for %d "
@@ -660,10 +706,16 @@ class DSV4FlashMLAAttention(DeepseekV4FlashMLAAttention):
             ws.config.num_ubatches,
         )
 
-    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+    def process_weights_after_loading(self, act_dtype: torch.dtype | None = None) -> None:
+        # vLLM 0.33's loader calls this with the model dtype, 0.34's
+        # (finalize_model_weights) with no arguments. Neither version's base
+        # class has the hook; a future one's gets the arguments it takes.
         parent = getattr(super(), "process_weights_after_loading", None)
         if callable(parent):
-            parent(act_dtype)
+            if act_dtype is None:
+                parent()
+            else:
+                parent(act_dtype)
         # All of this model's layers exist by now: reserve before vLLM
         # profiles memory (and before any CUDA graph is captured).
         self._dsv4_reserve()
@@ -939,12 +991,15 @@ def _checked() -> type:
     from vllm_dsv4_backend.vllm_compat import fingerprints, hooks, version
 
     key = version.parse_version(str(vllm.__version__))
-    if key != SUPPORTED_VLLM:
+    if key not in SUPPORTED_VLLM:
         raise NotImplementedError(
-            f"vllm_dsv4_backend's CUDA layer is written against vLLM "
-            f"{SUPPORTED_VLLM[0]}.{SUPPORTED_VLLM[1]}.x; this is vLLM {vllm.__version__}"
+            "vllm_dsv4_backend's CUDA layer is written against vLLM "
+            + " and ".join(f"{a}.{b}.x" for a, b in SUPPORTED_VLLM)
+            + f"; this is vLLM {vllm.__version__}"
         )
-    fingerprints.check(COPIED_VLLM_BODIES, f"{key[0]}.{key[1]}")
+    minor = f"{key[0]}.{key[1]}"
+    fingerprints.check(COPIED_VLLM_BODIES, minor)
+    fingerprints.check(FENCE_CONTROL_FLOW[minor], minor)
     check_kernel_signatures()
     for (module_name, qualname), want in SOURCE_BODIES.items():
         got = source_fingerprint(module_name, qualname)
@@ -954,22 +1009,24 @@ def _checked() -> type:
                 f"its source changed (fingerprint {got}, the plugin's copy was written "
                 f"against {want}); the plugin's copy of this body must be re-read",
             )
-    for name in ("_sparse_indexer_and_attn", "_prepare_and_attn_eager"):
-        base = getattr(DeepseekV4FlashMLAAttention, name)
+    for name in DECORATED[minor]:
+        base = getattr(DeepseekV4FlashMLAAttention, name, None)
         if not hasattr(base, "__wrapped__"):
             raise hooks.fail(
                 f"DeepseekV4Attention.{name}",
-                "is no longer decorated with eager_break_during_capture",
+                "is missing or no longer decorated with eager_break_during_capture",
             )
     return DSV4FlashMLAAttention
 
 
 def layer_cls() -> type:
-    """The CUDA layer, after checking the vLLM version (0.33.x), the vLLM
-    bodies it repeats and the kernel signatures it calls.
+    """The CUDA layer, after checking the vLLM version (0.33.x or 0.34.x), the
+    vLLM bodies it repeats, the control flow its fences rely on and the kernel
+    signatures it calls.
 
     Raises:
         NotImplementedError: another vLLM version.
-        PatchError: a copied body or a kernel signature changed.
+        PatchError: a copied body, the fenced control flow or a kernel
+            signature changed.
     """
     return _checked()

@@ -21,7 +21,7 @@ swapping that class:
   time) for ``FLASHMLA_SPARSE_DSV4`` / ``FLASHMLA_SPARSE`` and for the default
   non-SM12 path; the main model, MTP and DSpark all build through that decoder
   layer. That global is rebound to the plugin's subclass (FlashInfer and SM12
-  choices stay vLLM's). Only on vLLM 0.33.x, after :func:`check_cuda_hook_points`;
+  choices stay vLLM's). Only on vLLM 0.33.x and 0.34.x, after :func:`check_cuda_hook_points`;
   a hook point that differs keeps vLLM's layer with an error log (fail closed),
   or raises under ``VLLM_DSV4_ATTN_IMPL=plugin``.
 
@@ -66,8 +66,9 @@ CUDA_SYMBOL = "DeepseekV4FlashMLAAttention"
 # The selector that reads CUDA_SYMBOL at call time, and the class that calls it.
 CUDA_SELECTOR = "_select_dsv4_attn_cls"
 CUDA_DECODER_LAYER = "DeepseekV4DecoderLayer"
-# The vLLM minor version the CUDA hook point was read from.
-CUDA_VLLM = (0, 33)
+# The vLLM minor versions the CUDA hook point was read from (the selector is
+# byte-identical in 0.33.0 and 0.34.0).
+CUDA_VLLM: tuple[tuple[int, int], ...] = ((0, 33), (0, 34))
 LAYER_MODULE = "vllm_dsv4_backend.layer"
 LAYER_FACTORY = "get_attention_layer_cls"
 
@@ -114,7 +115,7 @@ def _check_layer_cls(cls: Any) -> type:
 
 
 def check_cuda_hook_points(module: ModuleType) -> type:
-    """Check vLLM 0.33's CUDA hook point in ``module`` (``nvidia/model.py``) and
+    """Check vLLM 0.33's / 0.34's CUDA hook point in ``module`` (``nvidia/model.py``) and
     return the class the module global holds now.
 
     The module global ``DeepseekV4FlashMLAAttention`` must be a
@@ -130,10 +131,11 @@ def check_cuda_hook_points(module: ModuleType) -> type:
     from vllm_dsv4_backend.vllm_compat import version
 
     got = version.parse_version(str(vllm.__version__))
-    if got != CUDA_VLLM:
+    if got not in CUDA_VLLM:
         raise hooks.fail(
             f"{CUDA_MODULE}.{CUDA_SYMBOL}",
-            f"the plugin's CUDA layer was written against vLLM {CUDA_VLLM[0]}.{CUDA_VLLM[1]}.x",
+            "the plugin's CUDA layer was written against vLLM "
+            + " and ".join(f"{a}.{b}.x" for a, b in CUDA_VLLM),
         )
     _, _, current = hooks.resolve(module, CUDA_SYMBOL)
     if not isinstance(current, type):
@@ -211,13 +213,24 @@ def install_attention_layer(
             return None
 
     def install_cpu(module: ModuleType) -> None:
-        owner, attr, current = hooks.resolve(module, CPU_SYMBOL)
-        if not isinstance(current, type):
-            raise hooks.fail(f"{CPU_MODULE}.{CPU_SYMBOL}", f"is {current!r}, not a class")
-        resolved = resolve()
-        if resolved is None:
+        # Fail closed like CUDA: a changed hook point or copied body (a vLLM
+        # patch release) keeps vLLM's layer with one ERROR line, or raises
+        # under VLLM_DSV4_ATTN_IMPL=plugin.
+        try:
+            owner, attr, current = hooks.resolve(module, CPU_SYMBOL)
+            if not isinstance(current, type):
+                raise hooks.fail(f"{CPU_MODULE}.{CPU_SYMBOL}", f"is {current!r}, not a class")
+            resolved = resolve()
+            if resolved is None:
+                return
+            layer = _check_layer_cls(resolved)
+        except hooks.PatchError as e:
+            if not optional:
+                raise
+            logger.error("keeping vLLM's own DeepSeek-V4 attention layer on CPU: %s", e)
+            if on_applied:
+                on_applied(f"attention:vllm (plugin layer not installed: {e})")
             return
-        layer = _check_layer_cls(resolved)
         if current is not layer:
             setattr(owner, attr, layer)
         _installed["cls"] = layer
@@ -226,7 +239,7 @@ def install_attention_layer(
             on_applied(f"attention:{CPU_MODULE}.{CPU_SYMBOL}={layer.__qualname__}")
 
     def install_cuda(module: ModuleType) -> None:
-        # Fail closed: any hook point that differs from vLLM 0.33.x leaves vLLM's
+        # Fail closed: any hook point that differs from vLLM 0.33.x / 0.34.x leaves vLLM's
         # own layer in place with one clear log line (or raises under
         # VLLM_DSV4_ATTN_IMPL=plugin).
         try:

@@ -72,7 +72,33 @@ KNOWN: dict[str, dict[str, str]] = {
             "6caed9c89e317811",
         "vllm.models.deepseek_v4.nvidia.flashmla:DeepseekV4FlashMLAAttention.forward_mqa":
             "6b62ae5fa919f811",
+        # The control flow the workspace fences rely on (layer/cuda.py FENCE_CONTROL_FLOW).
+        "vllm.utils.multi_stream_utils:execute_in_parallel": "2640fdf87dd37260",
+        "vllm.utils.multi_stream_utils:maybe_execute_in_parallel": "73fdf282243c4653",
+        "vllm.compilation.breakable_cudagraph:eager_break_during_capture": "2c704948c5b1c76d",
+        "vllm.compilation.breakable_cudagraph:BreakableCUDAGraphCapture": "8269becd5503697e",
+        "vllm.models.deepseek_v4.compressor:DeepseekCompressor.forward": "2d960f098ef54037",
+        "vllm.models.deepseek_v4.attention:DeepseekV4Attention._run_parallel_input_projections":
+            "c12534fd255ef740",
+        "vllm.models.deepseek_v4.attention:DeepseekV4Attention._prepare_and_attn_eager":
+            "9fef557e90c02951",
     },
+}
+# Read from the vllm==0.34.0 wheel: 0.33's values but for four bodies that
+# changed by a line each (forward: `_prepare_and_attn_fn(` -> `_prepare_and_attn(`;
+# Indexer.forward: `_fill_short_context_topk_indices` made public;
+# fused_indexer_q_rope_quant: its CPU branch imports `vllm._cpu_ops`;
+# _run_parallel_input_projections: the compressors' `torch.mm(out_dtype=f32)`
+# became their `fused_wkv_wgate` module, same streams), and without MRV1's
+# `_prepare_and_attn_eager` (removed in 0.34).
+KNOWN["0.34"] = {
+    **{k: v for k, v in KNOWN["0.33"].items() if not k.endswith("._prepare_and_attn_eager")},
+    "vllm.models.deepseek_v4.attention:DeepseekV4Attention.forward": "f3dd00fb7c177bbb",
+    "vllm.models.deepseek_v4.attention:DeepseekV4Indexer.forward": "67606356967df910",
+    "vllm.models.deepseek_v4.common.ops.fused_indexer_q:fused_indexer_q_rope_quant":
+        "351c53c1351daaae",
+    "vllm.models.deepseek_v4.attention:DeepseekV4Attention._run_parallel_input_projections":
+        "5cbce5f307abc0fc",
 }
 
 

@@ -57,9 +57,11 @@ def _vllm_version() -> str:
 
 def fail(symbol: str, problem: str) -> PatchError:
     """Build the loud error for hook point ``symbol``."""
+    from vllm_dsv4_backend.vllm_compat.version import supported_versions_text
+
     return PatchError(
         f"vllm_dsv4_backend cannot patch vLLM {_vllm_version()}: {symbol}: {problem}. "
-        "The plugin supports vLLM 0.32.x (CPU build) and 0.33.x (CUDA build); "
+        f"The plugin supports vLLM {supported_versions_text()}; "
         "this vLLM changed a hook point the plugin relies on."
     )
 

@@ -350,9 +350,19 @@ def _get(name: str) -> Patch:
     return patch
 
 
-def _install(patch: Patch, module: ModuleType, on_applied: Report) -> bool:
+def _install(patch: Patch, module: ModuleType, on_applied: Report, strict: bool = True) -> bool:
     assert patch.install is not None
-    changed = patch.install(module, on_applied)
+    try:
+        changed = patch.install(module, on_applied)
+    except hooks.PatchError as e:
+        if strict:
+            raise
+        # A hook point that differs from the vLLM the patch was read from (a
+        # patch release): vLLM's own code stays, vLLM keeps working.
+        logger.error("vllm_dsv4_backend: patch %s not applied, vLLM's own code kept: %s",
+                     patch.name, e)
+        on_applied(f"{patch.name}: not applied ({e})")
+        return False
     if changed:
         with _lock:
             if patch.name not in _applied:
@@ -361,7 +371,18 @@ def _install(patch: Patch, module: ModuleType, on_applied: Report) -> bool:
     return changed
 
 
-def arm(platform: str, on_applied: Report | None = None) -> list[str]:
+NEUTRAL = ("cpu", "cuda")
+"""``platforms`` of the entries that patch only vLLM's platform-neutral config
+code (armed even where the plugin has no layer for the platform)."""
+
+
+def arm(
+    platform: str,
+    on_applied: Report | None = None,
+    *,
+    strict: bool = True,
+    neutral_only: bool = False,
+) -> list[str]:
     """Arm every ``armed`` entry for ``platform`` (post-import hooks); return their names.
 
     Cheap: imports nothing. ``on_applied`` is kept for :func:`apply` calls
@@ -369,6 +390,13 @@ def arm(platform: str, on_applied: Report | None = None) -> list[str]:
     marker). On CPU it also arms the completeness check: once vLLM imports
     the DeepSeek-V4 CPU model, every CPU port's module must have been
     imported (else its Triton kernel was not replaced).
+
+    Args:
+        strict: a hook point that differs raises ``PatchError`` when vLLM
+            imports the module (``VLLM_DSV4_ATTN_IMPL=plugin``); False logs
+            an ERROR and keeps vLLM's code (the default serving mode).
+        neutral_only: arm only the platform-neutral config entries (a vLLM
+            the plugin knows, on a platform it has no layer for).
     """
     global _report
     report = on_applied or _noop
@@ -377,26 +405,32 @@ def arm(platform: str, on_applied: Report | None = None) -> list[str]:
     for patch in PATCHES.values():
         if not patch.armed or patch.install is None or platform not in patch.platforms:
             continue
+        if neutral_only and patch.platforms != NEUTRAL:
+            continue
         for module in patch.modules:
-            hooks.when_imported(module, lambda m, p=patch: _install(p, m, report))
+            hooks.when_imported(
+                module, lambda m, p=patch: _install(p, m, report, strict))
         names.append(patch.name)
         if patch.name == "B1":
             # Before the fallbacks (same trigger module): the order register() always had.
-            _arm_completeness_check()
+            _arm_completeness_check(strict)
     return names
 
 
-def _arm_completeness_check() -> None:
+def _arm_completeness_check(strict: bool = True) -> None:
     ported = kernels.kernel_modules()
 
     def check(_module: ModuleType) -> None:
         missing = [m for m in hooks.pending() if m in ported]
         if missing:
-            raise hooks.fail(
+            err = hooks.fail(
                 attention.CPU_MODULE,
                 f"the DeepSeek-V4 CPU model was imported but the patched modules {missing} "
                 "were not, so their Triton kernels were not replaced",
             )
+            if strict:
+                raise err
+            logger.error("vllm_dsv4_backend: %s", err)
 
     hooks.when_imported(attention.CPU_MODULE, check)
 
