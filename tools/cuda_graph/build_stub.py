@@ -342,26 +342,28 @@ class DeepseekV4Attention(nn.Module):
     # --- stand-ins (not vLLM's bodies) ------------------------------------------------
 
     def _fused_wqa_wkv_gemm(self, hidden_states):
-        return torch.mm(hidden_states, self.w_qa_kv)
+        return S.matmul(hidden_states, self.w_qa_kv, hidden_states.dtype)
 
     def _split_qkv_and_norm(self, qr_kv):
         qr, kv = qr_kv.split([self.q_lora_rank, self.head_dim], dim=-1)
-        qr = S.rms_norm(qr, self.q_norm_weight, self.eps).to(qr.dtype)
-        kv = S.rms_norm(kv, self.kv_norm_weight, self.eps).to(kv.dtype)
+        qr = S.output(qr.shape, qr.dtype, qr.device,
+                      lambda: S.rms_norm(qr, self.q_norm_weight, self.eps))
+        kv = S.output(kv.shape, kv.dtype, kv.device,
+                      lambda: S.rms_norm(kv, self.kv_norm_weight, self.eps))
         return qr, None, kv
 
     def _wq_b_proj(self, qr, qr_scale=None):
-        return torch.mm(qr, self.w_q_b)
+        return S.matmul(qr, self.w_q_b, qr.dtype)
 
     def _fused_qnorm_rope_kv_insert(self, q, kv, positions, attn_metadata):
         if not isinstance(attn_metadata, dict):
             return F.pad(q, (0, 0, 0, self.padded_heads - self.n_local_heads), value=0.0)
         swa_metadata = attn_metadata[self.swa_cache_layer.prefix]
         cos_sin = self.rotary_emb.cos_sin_cache
-        qf = S.rope_last(S.rms_norm(q, None, self.eps), positions, cos_sin)
-        out = torch.zeros((q.shape[0], self.padded_heads, self.head_dim), dtype=q.dtype,
-                          device=q.device)
-        out[:, : self.n_local_heads].copy_(qf)
+        out = S.output(
+            (q.shape[0], self.padded_heads, self.head_dim), q.dtype, q.device,
+            lambda: F.pad(S.rope_last(S.rms_norm(q, None, self.eps), positions, cos_sin),
+                          (0, 0, 0, self.padded_heads - self.n_local_heads), value=0.0))
         with S.kernel_region():
             S.ds_store(self.swa_cache_layer.kv_cache, swa_metadata.slot_mapping,
                        S.rope_last(kv.float(), positions, cos_sin))
@@ -374,7 +376,7 @@ INDEXER_HEAD = '''
 class DeepseekV4Indexer(nn.Module):
 
     def _wq_b_proj(self, qr, qr_scale=None):
-        return torch.mm(qr, self.w_q_b)
+        return S.matmul(qr, self.w_q_b, qr.dtype)
 
 '''
 
@@ -444,7 +446,7 @@ class DeepseekV4FlashMLAAttention(DeepseekV4Attention):
     # --- stand-ins (not vLLM's bodies) ------------------------------------------------
 
     def _o_proj(self, o, positions):
-        return torch.mm(o.reshape(o.shape[0], -1), self.w_o)
+        return S.matmul(o.reshape(o.shape[0], -1), self.w_o, o.dtype)
 
     def _forward_prefill(self, q, positions, compressed_k_cache, swa_k_cache, output,
                          attn_metadata, swa_metadata):

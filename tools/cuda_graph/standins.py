@@ -91,9 +91,27 @@ def rope_last(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -
     return torch.cat([head, rot], dim=-1)
 
 
+def output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+           fill: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The one allocation a real op makes (its output, counted as the
+    layer's), filled by a stand-in computation (its temporaries are not)."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    with kernel_region():
+        out.copy_(fill())
+    return out
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` accumulated in fp32 as a broadcast product and a sum: the same
+    bits in eager mode and in a CUDA graph whatever the buffers' alignment (a
+    cuBLAS GEMM may pick another algorithm), on any device."""
+    return output((a.shape[0], b.shape[1]), out_dtype, a.device,
+                  lambda: (a.float()[:, :, None] * b.float()[None, :, :]).sum(1))
+
+
 def mm_out_dtype(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``torch.mm(a, b, out_dtype=...)`` (CUDA-only in torch) as an fp32 GEMM."""
-    return torch.mm(a.float(), b.float()).to(out_dtype)
+    """``torch.mm(a, b, out_dtype=...)`` (CUDA-only in torch)."""
+    return matmul(a, b, out_dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -140,7 +158,7 @@ def sparse_attn(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor, A
         masks.append(valid)
     k = torch.cat(keys, dim=1)
     mask = torch.cat(masks, dim=1)
-    logits = torch.einsum("nhd,nkd->nhk", q.float(), k) * scale
+    logits = (q.float()[:, :, None, :] * k[:, None, :, :]).sum(-1) * scale
     logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
     s = sink.float().view(1, -1) if sink is not None else torch.full(
         (1, q.shape[1]), float("-inf"), device=q.device)
@@ -148,7 +166,7 @@ def sparse_attn(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor, A
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(logits - m[..., None])
     denom = p.sum(-1) + torch.exp(s - m)
-    out = torch.einsum("nhk,nkd->nhd", p, k) / denom.clamp_min(1e-30)[..., None]
+    out = (p[..., None] * k[:, None, :, :]).sum(2) / denom.clamp_min(1e-30)[..., None]
     return out.to(torch.bfloat16)
 
 
@@ -242,7 +260,7 @@ class IndexerOp:
                             .to(torch.int64))
             slots = blk.to(torch.int64) * bs + (ar % bs)[None, :]
             keys = rows.index_select(0, slots.reshape(-1)).view(t, width, -1)
-            scores = torch.einsum("thd,tjd->thj", q.float(), keys).relu()
+            scores = (q.float()[:, :, None, :] * keys[:, None, :, :]).sum(-1).relu()
             logits = (scores * weights.float()[..., None]).sum(1)
             n = torch.div(md.positions[:t] + 1, self.compress_ratio, rounding_mode="floor")
             logits = logits.masked_fill(ar[None, :] >= n[:, None], float("-inf"))
