@@ -168,20 +168,6 @@ def install_llm_hook(arg_utils: ModuleType, on_applied: Callable[[str], None]) -
     return True
 
 
-def install() -> list[str]:
-    """Apply this module's three registry patches now (idempotent); return what
-    is in place. ``plugin.register()`` arms them instead (:mod:`.vllm_compat.patches`)."""
-    from vllm_dsv4_backend.vllm_compat import patches
-
-    patches.apply("attention_config_json")
-    patches.apply("attention_config_init")
-    patched = ["attention-config JSON", "AttentionConfig(use_fp4_indexer_cache=...)"]
-    patches.apply("llm_attention_config")
-    if "vllm.entrypoints.llm" in sys.modules:
-        patched.append("LLM(attention_config={...})")
-    return patched
-
-
 def mxfp4_arch_error(capability: int | None, device_name: str | None) -> str | None:
     """The startup error for ``indexer_kv_dtype="mxfp4"`` (what
     ``use_fp4_indexer_cache=true`` maps to) on a CUDA GPU outside the SM100

@@ -189,7 +189,8 @@ def get_swa_builder_cls() -> type:
 
         def build(self, common_prefix_len: int, common_attn_metadata: Any,
                   fast_build: bool = False, **kwargs: Any) -> DeepseekSparseSWAMetadata:
-            # The kernels are module globals read at call time; builds run on the
+            # Registry entry swa_unread_kernels (vllm_compat.patches). The kernels
+            # are module globals read at call time; builds run on the
             # engine's one model-runner thread.
             saved = {k: getattr(sparse_swa, k) for k in _UNREAD_ON_CPU_KERNELS}
             for k in _UNREAD_ON_CPU_KERNELS:

@@ -159,12 +159,3 @@ def install_hook(arg_utils: ModuleType, on_applied: Callable[[str], None]) -> bo
                        expected_params=("usage_context", "headless"))
     on_applied(f"config:{BACKEND_NAME} architecture check")
     return True
-
-
-def install() -> str:
-    """Apply the ``architecture_check`` registry patch now (idempotent).
-    ``plugin.register()`` arms it instead (:mod:`.vllm_compat.patches`)."""
-    from vllm_dsv4_backend.vllm_compat import patches
-
-    patches.apply("architecture_check")
-    return f"{BACKEND_NAME} architecture check"

@@ -34,9 +34,9 @@ def tiny_llama(tmp_path_factory) -> Path:
 def _engine_config(model: Path, backend: str | None, **extra):
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_dsv4_backend import guards
+    from vllm_dsv4_backend.vllm_compat import patches
 
-    guards.install()
+    patches.apply("architecture_check")
     kwargs = {"attention_backend": backend} if backend else {}
     kwargs.update(extra)
     return EngineArgs(model=str(model), load_format="dummy", tokenizer_mode="hf",

@@ -163,7 +163,7 @@ def test_scores_equal_vllm_attention(runs) -> None:
     """The tiny-smoke gates: plugin scores == vLLM-attention scores, exactly."""
     ev = R.load_eval_config(EVAL_CONFIG)
     plugin, ref = _summary(runs["plugin"]), _summary(runs["vllm"])
-    rows = R.gate_eval(ev, plugin["results"], ref, "vllm attention run")
+    rows = R.gate_eval(ev.gates, plugin["results"], ref, "vllm attention run")
     table = R.format_gate_table(rows)
     assert rows and all(r.passed for r in rows), table
     # and through the CLI, as a user would check it

@@ -293,7 +293,7 @@ def cmd_serve_eval(args: argparse.Namespace) -> int:
         return EXIT_PASS
     res_path = find_lm_eval_results(lm_out)
     lm = json.loads(res_path.read_text())
-    rows = [] if args.no_gate else gate_eval(ev, lm["results"], baseline, str(args.baseline))
+    rows = [] if args.no_gate else gate_eval(ev.gates, lm["results"], baseline, str(args.baseline))
     code = verdict(rows)
     summary = {
         "kind": "eval",
@@ -455,7 +455,7 @@ def cmd_compare_eval(args: argparse.Namespace) -> int:
     ev = load_eval_config(args.eval_config)
     data, baseline = _load_result(args)
     _check_gates_evaluable(ev, baseline)
-    rows = gate_eval(ev, task_results(data, args.result), baseline, str(args.baseline))
+    rows = gate_eval(ev.gates, task_results(data, args.result), baseline, str(args.baseline))
     print(format_gate_table(rows))
     code = verdict(rows)
     _say("PASS" if code == EXIT_PASS else "FAIL: a gate is outside its accepted range")

@@ -8,12 +8,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vllm_dsv4_backend.run.common import EXIT_GATE_FAILED, EXIT_PASS, ConfigError
-
-if TYPE_CHECKING:
-    from vllm_dsv4_backend.run.config import EvalConfig
 
 __all__ = [
     "BENCH_METRICS",
@@ -309,14 +306,14 @@ def format_bench_table(rows: Sequence[BenchRow]) -> str:
 
 
 def gate_eval(
-    ev: EvalConfig,
+    gates: Sequence[Gate],
     results: Mapping[str, Any],
     baseline: Mapping[str, Any] | None,
     baseline_name: str,
 ) -> list[GateResult]:
-    """Evaluate every gate of ``ev`` on an lm_eval ``results`` table."""
+    """Evaluate every gate (an ``EvalConfig``'s ``gates``) on an lm_eval ``results`` table."""
     base_table = task_results(baseline, baseline_name) if baseline is not None else None
-    return [evaluate_gate(g, results, base_table, baseline_name) for g in ev.gates]
+    return [evaluate_gate(g, results, base_table, baseline_name) for g in gates]
 
 
 def verdict(rows: Sequence[GateResult]) -> int:

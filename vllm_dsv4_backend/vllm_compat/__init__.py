@@ -27,6 +27,9 @@ CPU only, vLLM 0.32 without Triton:
 * ``moe_expert_map`` — vLLM 0.32's CPU experts ignore ``expert_map`` under
   expert parallel and segfault in ``cpu_fused_moe``; global ids become local
   slots, another rank's experts weight 0.
+* ``swa_unread_kernels`` — the plugin's CPU SWA metadata builder skips
+  two vLLM kernels whose outputs no CPU layer reads (bound to a no-op during
+  each build, restored after).
 * ``mxfp4_indexer_cache`` — lifts vLLM's Blackwell-only check on
   ``indexer_kv_dtype='mxfp4'`` (applied by the plugin's CPU layer, which
   computes MXFP4 in torch).
@@ -48,7 +51,7 @@ Modules:
 
 * :mod:`.patches` — the registry and its mechanism (``arm``, ``apply``).
 * :mod:`.hooks` — post-import hooks, the marker, signature checks, :class:`PatchError`.
-* :mod:`.version` — the 0.32.x (CPU) / 0.33.x (CUDA) gate.
+* :mod:`.version` — the 0.32.x (CPU) / 0.33.x and 0.34.x (CUDA) gate.
 * :mod:`.kernels` — the T1–T8 table and B1; :mod:`.loader` — the dummy loader;
   :mod:`.cpu_ops` — the ``_C`` fallbacks; :mod:`.attention` — the layer hook
   point; :mod:`.fingerprints` — drift checks of the vLLM bodies the layers repeat.

@@ -317,6 +317,27 @@ PATCHES: dict[str, Patch] = {
             applied_by="vllm_dsv4_backend.layer.cpu.layer_cls() (only with the plugin's layer)",
         ),
         Patch(
+            name="swa_unread_kernels",
+            why="vLLM 0.32's CPU SWA metadata builder runs two kernels (T4 window index "
+            "tables, T5 prefill gather lengths) whose outputs no CPU DeepSeek-V4 layer reads "
+            "(both build their window tables from the positions in forward_mqa): time spent "
+            "on every step for nothing.",
+            how="the plugin's SWA builder (backend.DSV4CPUSWAMetadataBuilder.build) binds "
+            "sparse_swa's two kernel globals to a no-op for the duration of vLLM's build() "
+            "and restores them after (builds run on the engine's one model-runner thread); "
+            "the fields they fill are set to None so a later reader fails loudly; checked at "
+            "first use (the globals and fields must exist)",
+            upstream="vllm/v1/attention/backends/mla/sparse_swa.py: "
+            "_COMPUTE_SWA_INDICES_AND_LENS_KERNEL, _COMPUTE_PREFILL_METADATA_KERNEL",
+            remove_when="vLLM's CPU SWA builder skips the GPU-only window tables itself",
+            modules=("vllm.v1.attention.backends.mla.sparse_swa",),
+            install=None,
+            platforms=("cpu",),
+            armed=False,
+            applied_by="vllm_dsv4_backend.backend.get_swa_builder_cls() (each CPU SWA "
+            "metadata build, only with the plugin's backend)",
+        ),
+        Patch(
             name="attention_layer",
             why="DeepSeek-V4 picks its attention layer class in the model, not through the "
             "attention-backend registry, so serving the plugin's layer means swapping that "
