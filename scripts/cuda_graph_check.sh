@@ -68,7 +68,7 @@ for v in $VERSIONS; do
     WHEEL=$(wheel_of "$v")
     if [ -x "$VENV/bin/python" ]; then
       # find_spec: where `import vllm` would load from, without importing it.
-      SRC=$("$VENV/bin/python" -c \
+      SRC=$(env -u PYTHONPATH "$VENV/bin/python" -c \
         'import importlib.util,os;print(os.path.dirname(importlib.util.find_spec("vllm").origin))')
       echo "== build stub $v from $SRC"
       "$PY" tools/cuda_graph/build_stub.py --vllm-src "$SRC" --out "$STUB" || exit 2
@@ -82,12 +82,13 @@ for v in $VERSIONS; do
     fi
   fi
   # The stub must shadow any installed vLLM: PYTHONPATH precedes site-packages.
-  if ! PYTHONPATH=$STUB:$ROOT "$PY" -c \
+  if ! PYTHONPATH=$STUB:$ROOT${PYTHONPATH:+:$PYTHONPATH} "$PY" -c \
       'import vllm, sys; sys.exit(0 if getattr(vllm, "HARNESS_STUB", False) else 1)'; then
     echo "cuda_graph_check: import vllm does not resolve to $STUB" >&2; exit 2
   fi
   echo "== harness, vLLM $v stub ($PY)"
-  PYTHONPATH=$STUB:$ROOT PYTHONDONTWRITEBYTECODE=1 "$PY" tools/cuda_graph/harness.py \
+  PYTHONPATH=$STUB:$ROOT${PYTHONPATH:+:$PYTHONPATH} PYTHONDONTWRITEBYTECODE=1 \
+    "$PY" tools/cuda_graph/harness.py \
     --json "$OUTDIR/$v.json" ${HARNESS_ARGS[@]+"${HARNESS_ARGS[@]}"}
   rc=$?
   [ $rc = 0 ] || STATUS=1

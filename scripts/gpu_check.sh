@@ -3,42 +3,54 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 #
 # GPU check for a single CUDA machine whose image has torch + CUDA but no vLLM and no
-# network (e.g. one H200, torch 2.11): runs tests/gpu + tests/core and the layer benchmark
-# on CUDA within ~8 minutes, writes JSON, and prints a summary table last.
+# network (e.g. one H200, torch 2.11), within ~5 minutes: the CUDA-graph harness (the
+# plugin's CUDA layer under vLLM's own control flow, cut from the wheel into the stand-in
+# packages build/vllm_stub/<ver>, pre-generated here: carry build/vllm_stub) in every mode,
+# eager / breakable PIECEWISE / FULL, and pytest tests/gpu; writes one JSON,
+# $OUT/gpu_check.json, and prints a summary table last.
 #
 #   bash scripts/gpu_check.sh                  # on the GPU box; results in $OUT (or --out)
-#   bash scripts/gpu_check.sh --dry-run        # here: the same steps on CPU, tiny sizes,
-#                                              # with `import vllm` blocked like on the box
-#   bash scripts/gpu_check.sh --make-bundle    # here, before: copy pytest & co. (pure
-#                                              # Python) into .scratch/gpu_bundle; carry it
+#   bash scripts/gpu_check.sh --dry-run        # here: the same steps on CPU, with
+#                                              # `import vllm` blocked like on the box
+#   bash scripts/gpu_check.sh --make-bundle    # here, before: build the stubs (from
+#                                              # .venv-vllm033/.venv-vllm034 or the wheels)
+#                                              # and copy pytest & co. (pure Python) into
+#                                              # .scratch/gpu_bundle; carry both
+#   bash scripts/gpu_check.sh --with-bench     # also the layer benchmark (~4 more minutes;
+#                                              # on by default with --dry-run or BENCH_ARGS)
 #
 # Nothing is installed: the package is torch-only and runs from the checkout
 # (PYTHONPATH=repo). If the box's Python has no pytest, the bundle made by --make-bundle
 # (default .scratch/gpu_bundle, or --bundle DIR) is put on PYTHONPATH; without either the
-# tests are reported as NOT RUN and the benchmark still runs.
+# tests are reported as NOT RUN and the harness still runs.
 #
 # Environment: PYTHON (default python3, else python), OUT (results dir; default
-# .scratch/gpu_check), GPU_CHECK_TESTS (pytest paths; default "tests/gpu tests/core"),
-# TEST_TIMEOUT (s, default 240), BENCH_TIMEOUT (s, default 330), BENCH_ARGS (replace the
-# benchmark flags; default: --full --device cuda --time-budget 240).
-# Exit code: 0 when every step passed, 1 otherwise.
+# .scratch/gpu_check), GPU_CHECK_TESTS (pytest paths; default "tests/gpu"), TEST_TIMEOUT
+# (s, default 120), HARNESS_TIMEOUT (s, default 150), GPU_CHECK_HARNESS=0 (skip the
+# harness), BENCH_TIMEOUT (s, default 330), BENCH_ARGS (replace the benchmark flags and run
+# it; default: --full --device cuda --time-budget 240).
+# Exit code: 0 when every step passed, 1 otherwise. The dry run builds the stubs when a
+# vLLM venv or wheel is there, runs the harness for one step, and does not fail for want
+# of a stub; on the box a missing stub fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 
 DRY=0
+BENCH=0
 BUNDLE=""
 MAKE_BUNDLE=""
 OUT_DIR=${OUT:-$ROOT/.scratch/gpu_check}
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
+    --with-bench) BENCH=1 ;;
     --out) OUT_DIR=$2; shift ;;
     --bundle) BUNDLE=$2; shift ;;
     --make-bundle)
       if [ $# -gt 1 ] && [ "${2#--}" = "$2" ]; then MAKE_BUNDLE=$2; shift
       else MAKE_BUNDLE=$ROOT/.scratch/gpu_bundle; fi ;;
-    -h|--help) sed -n '4,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '4,30p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -50,6 +62,14 @@ elif command -v python3 >/dev/null 2>&1; then PY=python3
 else PY=python; fi
 
 if [ -n "$MAKE_BUNDLE" ]; then
+  # The harness's stand-in vLLM packages (ignored by git; small): build/vllm_stub/<ver>.
+  for v in 0.33 0.34; do
+    if bash scripts/cuda_graph_check.sh --vllm $v --steps 1 >/dev/null 2>&1; then
+      echo "gpu_check: stub build/vllm_stub/$v built and checked on CPU"
+    else
+      echo "gpu_check: no stub for vLLM $v (no .venv-vllm0${v#0.} or wheel, or its CPU run failed)"
+    fi
+  done
   # Pure-Python test dependencies from this interpreter's site-packages. Compiled
   # extensions are left out (PyYAML then uses its pure-Python loader), so the bundle works
   # with any Python 3 version on the box.
@@ -97,10 +117,12 @@ EOF
   exit 0
 fi
 
+[ -n "${BENCH_ARGS:-}" ] && BENCH=1
+[ $DRY = 1 ] && BENCH=1
 mkdir -p "$OUT_DIR"
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONDONTWRITEBYTECODE=1
-TESTS=${GPU_CHECK_TESTS:-tests/gpu tests/core}
+TESTS=${GPU_CHECK_TESTS:-tests/gpu}
 if [ $DRY = 1 ]; then
   # Like the GPU box: no vLLM importable (a stub package that raises ImportError shadows
   # the installed one), CPU device, tiny sizes.
@@ -144,9 +166,9 @@ fi
 T0=$SECONDS
 TEST_STATUS="NOT RUN"; TEST_DETAIL="pytest unavailable (make a bundle: --make-bundle)"
 if "$PY" -c "import pytest" >/dev/null 2>&1; then
-  echo "== pytest -q -x $TESTS (timeout ${TEST_TIMEOUT:-240} s)"
+  echo "== pytest -q -x $TESTS (timeout ${TEST_TIMEOUT:-120} s)"
   # shellcheck disable=SC2086
-  timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -q -x -p no:cacheprovider $TESTS \
+  timeout "${TEST_TIMEOUT:-120}" "$PY" -m pytest -q -x -p no:cacheprovider $TESTS \
     --junitxml "$OUT_DIR/pytest.xml" 2>&1 | tee "$OUT_DIR/pytest.log"
   rc=${PIPESTATUS[0]}
   TEST_DETAIL=$(grep -E "(passed|failed|skipped|error|no tests ran)" "$OUT_DIR/pytest.log" \
@@ -159,28 +181,91 @@ if "$PY" -c "import pytest" >/dev/null 2>&1; then
 fi
 T1=$SECONDS
 
-echo "== vllm-dsv4-bench $BENCH_ARGS --json $OUT_DIR/bench.json (timeout ${BENCH_TIMEOUT:-330} s)"
-# shellcheck disable=SC2086
-timeout "${BENCH_TIMEOUT:-330}" "$PY" -m vllm_dsv4_backend.bench.cli $BENCH_ARGS --quiet \
-  --json "$OUT_DIR/bench.json" 2>&1 | tee "$OUT_DIR/bench.log"
-rc=${PIPESTATUS[0]}
-case $rc in
-  0) BENCH_STATUS=PASS ;;
-  124) BENCH_STATUS=TIMEOUT ;;
-  *) BENCH_STATUS="FAIL($rc)" ;;
-esac
-BENCH_DETAIL="$OUT_DIR/bench.json"
-[ -f "$OUT_DIR/bench.json" ] || { BENCH_DETAIL="no JSON written"; BENCH_STATUS="FAIL($rc)"; }
+HARNESS_STATUS="NOT RUN"; HARNESS_DETAIL="no stub in build/vllm_stub (make them: --make-bundle)"
+# Here (dry run): build the stubs from a venv or wheel if any, one step; on the box: use the
+# pre-generated ones, every mode.
+HARNESS_FLAGS=(--no-build)
+[ $DRY = 1 ] && HARNESS_FLAGS=(--steps 1)
+if [ "${GPU_CHECK_HARNESS:-1}" = 0 ]; then
+  HARNESS_STATUS=SKIPPED; HARNESS_DETAIL="GPU_CHECK_HARNESS=0"
+elif [ $DRY = 1 ] || ls "$ROOT"/build/vllm_stub/*/vllm/__init__.py >/dev/null 2>&1; then
+  echo "== cuda_graph_check ${HARNESS_FLAGS[*]} (timeout ${HARNESS_TIMEOUT:-150} s)"
+  PYTHON=$PY timeout "${HARNESS_TIMEOUT:-150}" bash scripts/cuda_graph_check.sh \
+    "${HARNESS_FLAGS[@]}" --json "$OUT_DIR/cuda_graph.json" 2>&1 | tee "$OUT_DIR/cuda_graph.log"
+  rc=${PIPESTATUS[0]}
+  case $rc in
+    0) HARNESS_STATUS=PASS ;;
+    124) HARNESS_STATUS=TIMEOUT ;;
+    2) if [ $DRY = 1 ]; then HARNESS_STATUS="NOT RUN"; else HARNESS_STATUS="FAIL(2)"; fi ;;
+    *) HARNESS_STATUS="FAIL($rc)" ;;
+  esac
+  HARNESS_DETAIL=$(tail -n 1 "$OUT_DIR/cuda_graph.log")
+fi
 T2=$SECONDS
+
+BENCH_STATUS="SKIPPED"; BENCH_DETAIL="--with-bench to run it"
+if [ $BENCH = 1 ]; then
+  echo "== vllm-dsv4-bench $BENCH_ARGS --json $OUT_DIR/bench.json (timeout ${BENCH_TIMEOUT:-330} s)"
+  # shellcheck disable=SC2086
+  timeout "${BENCH_TIMEOUT:-330}" "$PY" -m vllm_dsv4_backend.bench.cli $BENCH_ARGS --quiet \
+    --json "$OUT_DIR/bench.json" 2>&1 | tee "$OUT_DIR/bench.log"
+  rc=${PIPESTATUS[0]}
+  case $rc in
+    0) BENCH_STATUS=PASS ;;
+    124) BENCH_STATUS=TIMEOUT ;;
+    *) BENCH_STATUS="FAIL($rc)" ;;
+  esac
+  BENCH_DETAIL="$OUT_DIR/bench.json"
+  [ -f "$OUT_DIR/bench.json" ] || { BENCH_DETAIL="no JSON written"; BENCH_STATUS="FAIL($rc)"; }
+fi
+T3=$SECONDS
 
 echo
 echo "== gpu_check summary ($( [ $DRY = 1 ] && echo 'dry run, CPU' || echo CUDA ))"
 printf '%-8s %-10s %6s  %s\n' step status seconds detail
 printf '%-8s %-10s %6s  %s\n' pytest "$TEST_STATUS" $((T1 - T0)) "$TEST_DETAIL"
-printf '%-8s %-10s %6s  %s\n' bench "$BENCH_STATUS" $((T2 - T1)) "$BENCH_DETAIL"
-if [ -f "$OUT_DIR/bench.json" ]; then
+printf '%-8s %-10s %6s  %s\n' harness "$HARNESS_STATUS" $((T2 - T1)) "$HARNESS_DETAIL"
+printf '%-8s %-10s %6s  %s\n' bench "$BENCH_STATUS" $((T3 - T2)) "$BENCH_DETAIL"
+# One JSON with everything: the steps, the harness reports, the bench's if it ran.
+"$PY" - "$OUT_DIR" "$DRY" "$TEST_STATUS" "$TEST_DETAIL" "$HARNESS_STATUS" "$BENCH_STATUS" \
+  $((T1 - T0)) $((T2 - T1)) $((T3 - T2)) <<'EOF'
+import json, os, platform, sys
+import torch
+out, dry, ts, td, hs, bs, t_test, t_h, t_b = sys.argv[1:]
+def load(name):
+    try:
+        with open(os.path.join(out, name)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+doc = {
+    "dry_run": dry == "1",
+    "python": platform.python_version(), "torch": torch.__version__,
+    "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+    "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    "steps": {
+        "pytest": {"status": ts, "detail": td, "seconds": int(t_test)},
+        "harness": {"status": hs, "seconds": int(t_h)},
+        "bench": {"status": bs, "seconds": int(t_b)},
+    },
+    "harness": load("cuda_graph.json"),
+    "bench": load("bench.json") if bs != "SKIPPED" else None,
+}
+with open(os.path.join(out, "gpu_check.json"), "w") as f:
+    json.dump(doc, f, indent=1)
+print(f"gpu_check: wrote {os.path.join(out, 'gpu_check.json')}")
+EOF
+if [ $BENCH = 1 ] && [ -f "$OUT_DIR/bench.json" ]; then
   echo
   "$PY" -m vllm_dsv4_backend.bench.cli --summary-from "$OUT_DIR/bench.json" --summary-only
 fi
-[ "$TEST_STATUS" = PASS ] && [ "$BENCH_STATUS" = PASS ] && exit 0
+HARNESS_OK=0
+case "$HARNESS_STATUS" in
+  PASS|SKIPPED) HARNESS_OK=1 ;;
+  "NOT RUN") [ $DRY = 1 ] && HARNESS_OK=1 ;;
+esac
+if [ "$TEST_STATUS" = PASS ] && [ $HARNESS_OK = 1 ] && \
+   { [ $BENCH = 0 ] || [ "$BENCH_STATUS" = PASS ]; }; then
+  exit 0
+fi
 exit 1
