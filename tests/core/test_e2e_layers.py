@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_dsv4_backend.bench import hodges_lehmann_ci, median_ci
+from vllm_dsv4_backend.bench.ab import hodges_lehmann_ci, median_ci
 
 
 def _fake_servers(tmp_path: Path, monkeypatch, R, E):
@@ -111,7 +111,7 @@ def test_alternating_rounds_warmup_and_paired_ratios(tmp_path: Path, monkeypatch
 
 
 def test_median_ci_and_verdict() -> None:
-    from vllm_dsv4_backend.bench import verdict
+    from vllm_dsv4_backend.bench.ab import verdict
 
     xs = [float(i) for i in range(1, 101)]
     # n=100: order statistics 40 and 61 (1-based), the textbook 95% interval
@@ -139,7 +139,7 @@ def test_hodges_lehmann_ci_against_published_ranks_and_brute_force() -> None:
     import random
     import statistics
 
-    from vllm_dsv4_backend.bench import _signed_rank_cut, _signed_rank_cut_normal
+    from vllm_dsv4_backend.bench.ab import _signed_rank_cut, _signed_rank_cut_normal
 
     # Two-sided 5% critical values of the signed-rank statistic T (reject if T <= c), from
     # the published tables: the lower bound is the (c+1)-th smallest Walsh average.
@@ -245,7 +245,7 @@ def test_stream_completion_ttft_tpot() -> None:
 
 def test_stream_completion_errors() -> None:
     pytest.importorskip("aiohttp")
-    from vllm_dsv4_backend.bench.e2e import E2EError
+    from vllm_dsv4_backend.bench.ab import E2EError
 
     with pytest.raises(E2EError, match="HTTP 500: boom"):
         _stream([], status=500)

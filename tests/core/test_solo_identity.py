@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""bench.solo_identity without a server: the verdict rules, the prompt set, and
-``vllm-dsv4-bench solo-identity`` reaching the module."""
+"""bench.solo_identity without a server: the verdict rules, the prompt set and the
+table (the CLI reaching the module: tests/core/test_bench_cli.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from vllm_dsv4_backend.bench import cli
 from vllm_dsv4_backend.bench import solo_identity as SI
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,14 +42,6 @@ def test_prompts_are_deterministic_and_span_the_lengths():
     assert len(a) == 24 and min(map(len, a)) == 1 and max(map(len, a)) == 250
 
 
-def test_bench_cli_dispatches_the_layer_comparisons(capsys):
-    for name in cli.SUBCOMMANDS:
-        with pytest.raises(SystemExit) as ei:
-            cli.main([name, "--help"])
-        assert ei.value.code == 0
-    assert "--concurrency" in capsys.readouterr().out
-
-
 def test_summarize_and_format():
     solo = [_out([1, 4], [-3.6, -3.5], [{1: -3.6, 2: -3.7}, {4: -3.5}])] * 2
     far = _out([9, 4], [-3.6, -3.5], [{9: -3.6}, {4: -3.5}])
@@ -65,11 +56,3 @@ def test_summarize_and_format():
                              "summary": {"plugin": summary, "vllm": summary}})
     assert "plugin    2/4      0     1      1" in text and "far: run 0 prompt 1" in text
 
-
-def test_finish_writes_json_and_prints(tmp_path, capsys):
-    from vllm_dsv4_backend.bench import finish
-
-    assert finish({"a": 1}, str(tmp_path / "r.json"), "table") == 0
-    assert (tmp_path / "r.json").read_text().strip().startswith("{")
-    assert capsys.readouterr().out == "table\n"
-    assert finish({"a": 1}, None, "t2") == 0 and not (tmp_path / "t2").exists()

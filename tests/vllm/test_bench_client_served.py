@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 from vllm_dsv4_backend.bench import e2e_layers as E
-from vllm_dsv4_backend.bench.e2e import E2EError
+from vllm_dsv4_backend.bench.ab import E2EError, ordinary_token_ids
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_measure_block_on_the_served_model(tiny_server) -> None:
-    ids = E.ordinary_token_ids(ROOT / "configs" / "tiny-dsv4")
+    ids = ordinary_token_ids(ROOT / "configs" / "tiny-dsv4")
     prompts = [ids[100:108], ids[200:216], ids[300:302]]
     m = E.measure_block(tiny_server.base_url, tiny_server.model, prompts, 5, tiny_server.pid)
     assert m["output_tokens"] == 15  # ignore_eos: every request makes all 5 tokens

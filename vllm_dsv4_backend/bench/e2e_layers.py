@@ -50,25 +50,22 @@ vLLM runs only in subprocesses.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
 import json
 import os
 import random
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from vllm_dsv4_backend.bench import finish, hodges_lehmann_ci, median_ci, verdict
-from vllm_dsv4_backend.bench.e2e import REPO, SERVE_CONFIG, E2EError
+from vllm_dsv4_backend.bench import ab
+from vllm_dsv4_backend.bench.ab import SIDES, E2EError, hodges_lehmann_ci, verdict
 
 SCHEMA = "vllm-dsv4-e2e-layers/3"
-IMPLS = ("plugin", "vllm")
 
 
 @dataclass(frozen=True)
@@ -112,18 +109,6 @@ def session_cpu_s(sid: int) -> float:
     return total / _CLK
 
 
-def ordinary_token_ids(model_dir: Path) -> list[int]:
-    """The model's token ids that are neither added nor special tokens (prompts made of
-    them decode and re-encode like text)."""
-    from tokenizers import Tokenizer
-
-    cfg = json.loads((model_dir / "config.json").read_text())
-    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    special = set(tok.get_added_tokens_decoder())
-    vocab = min(tok.get_vocab_size(with_added_tokens=True), int(cfg["vocab_size"]))
-    return [i for i in range(vocab) if i not in special]
-
-
 async def stream_completion(session: Any, url: str, model: str, prompt: list[int],
                             tokens: int) -> dict[str, float | int]:
     """One streamed greedy completion: ``ttft_s``, ``tpot_s`` (None for one token),
@@ -159,7 +144,7 @@ async def _block(url: str, model: str, prompts: Sequence[list[int]], tokens: int
     import aiohttp
 
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        async with ab.client_session() as session:
             return list(await asyncio.gather(
                 *(stream_completion(session, url, model, p, tokens) for p in prompts)))
     except (TimeoutError, aiohttp.ClientError) as e:
@@ -186,50 +171,23 @@ def _ratio(plugin: float | None, vllm: float | None, lower_is_better: bool) -> f
     return vllm / plugin if lower_is_better else plugin / vllm
 
 
-@contextlib.contextmanager
-def served_layers(serve: Any, out: Path, scratch: Path, health_timeout: float,
-                  say: Callable[[str], None], progress: TextIO | None
-                  ) -> Iterator[tuple[dict[str, Any], dict[str, dict[str, str]]]]:
-    """Both layers served at once (``VLLM_DSV4_ATTN_IMPL`` per server, logs under
-    ``out``), healthy on entry, stopped on exit: ``(servers, envs)`` keyed by impl."""
-    from vllm_dsv4_backend import run as R
-
-    servers: dict[str, Any] = {}
-    envs: dict[str, dict[str, str]] = {}
-    try:
-        for impl in IMPLS:
-            envs[impl] = R.cpu_env(scratch, {**os.environ, "VLLM_DSV4_ATTN_IMPL": impl})
-            servers[impl] = R.make_server(serve, log_path=out / f"server-{impl}.log",
-                                          env=envs[impl])
-            say(f"{impl}: starting vllm serve (log {servers[impl].log_path})")
-            servers[impl].start()
-        for impl in IMPLS:
-            servers[impl].wait_healthy(timeout=health_timeout, progress=progress)
-        yield servers, envs
-    finally:
-        for server in servers.values():
-            server.stop()
-
-
 def summarize(runs: Sequence[Mapping[str, Any]], name: str, rounds: int
               ) -> dict[str, dict[str, Any]]:
     """Per metric: both layers' medians and the per-round ratios' median, 95% CI of the
     median, min, max and verdict; and their Hodges-Lehmann estimate with its 95% CI and
-    verdict (``hl_*``: :func:`~vllm_dsv4_backend.bench.hodges_lehmann_ci`). Warm-up rounds
+    verdict (``hl_*``: :func:`~vllm_dsv4_backend.bench.ab.hodges_lehmann_ci`). Warm-up rounds
     (``round < 0``) are left out."""
     rows = {}
     for m, lower in METRICS.items():
-        med = {impl: _median([x["metrics"][m] for x in runs if x["scenario"] == name
-                              and x["impl"] == impl and x["round"] >= 0]) for impl in IMPLS}
+        med = {side: _median([x["metrics"][m] for x in runs if x["scenario"] == name
+                              and x["impl"] == side and x["round"] >= 0]) for side in SIDES}
         pairs = [p for p in (
             _ratio(_one(runs, name, "plugin", r, m), _one(runs, name, "vllm", r, m), lower)
             for r in range(rounds)) if p is not None]
-        lo, hi = median_ci(pairs) if pairs else (None, None)
         hl, hl_lo, hl_hi = hodges_lehmann_ci(pairs) if pairs else (None, None, None)
-        rows[m] = {"plugin": med["plugin"], "vllm": med["vllm"], "pairs": len(pairs),
-                   "ratio_median": _median(pairs), "ratio_ci95_lo": lo, "ratio_ci95_hi": hi,
+        rows[m] = {"plugin": med["plugin"], "vllm": med["vllm"], **ab.ratio_stats(pairs),
                    "ratio_min": min(pairs) if pairs else None,
-                   "ratio_max": max(pairs) if pairs else None, "verdict": verdict(lo, hi),
+                   "ratio_max": max(pairs) if pairs else None,
                    "hl_ratio": hl, "hl_ci95_lo": hl_lo, "hl_ci95_hi": hl_hi,
                    "hl_verdict": verdict(hl_lo, hl_hi)}
     return rows
@@ -241,49 +199,31 @@ def run(*, rounds: int = 30, warmup: int = 2, scenarios: Mapping[str, Scenario] 
         ) -> dict[str, Any]:
     """Serve both layers, run ``warmup`` + ``rounds`` alternating rounds per scenario;
     returns the result."""
-    from vllm_dsv4_backend import run as R
-
     if rounds < 1 or warmup < 0:
         raise ValueError(f"rounds >= 1 and warmup >= 0 expected, got {rounds!r}, {warmup!r}")
-    serve = R.load_serve_config(SERVE_CONFIG)
-    if serve.model_path is None:
-        raise ValueError(f"{SERVE_CONFIG}: the model must be a local directory")
-    scratch = Path(os.environ.get("DSV4_SCRATCH", REPO / ".scratch"))
-    out = Path(out_dir) if out_dir else scratch / "runs" / (
-        time.strftime("%Y%m%d-%H%M%S") + "-e2e-layers")
-    out.mkdir(parents=True, exist_ok=True)
-    ids = ordinary_token_ids(serve.model_path)
     rng = random.Random(seed)
-
-    def say(msg: str) -> None:
-        if progress is not None:
-            progress.write(f"[e2e-layers] {msg}\n")
-            progress.flush()
-
+    say = ab.sayer("e2e-layers", progress)
     t0 = time.monotonic()
     runs: list[dict[str, Any]] = []
-    try:
-        with served_layers(serve, out, scratch, health_timeout, say, progress) as (servers,
-                                                                                   _):
-            for name, sc in scenarios.items():
-                say(f"{name}: {warmup} warm-up + {rounds} rounds of {sc.concurrency} x "
-                    f"({sc.prompt_len} prompt + {sc.output_len} output tokens) per layer")
-                for r in range(-warmup, rounds):
-                    prompts = [[rng.choice(ids) for _ in range(sc.prompt_len)]
-                               for _ in range(sc.concurrency)]
-                    for impl in (IMPLS if r % 2 == 0 else IMPLS[::-1]):
-                        time.sleep(settle_s)
-                        measure_block(servers[impl].base_url, serve.served_model_name,
-                                      [prompts[0][:1]], 1, servers[impl].proc.pid)
-                        metrics = measure_block(servers[impl].base_url,
-                                                serve.served_model_name, prompts,
-                                                sc.output_len, servers[impl].proc.pid)
-                        runs.append({"scenario": name, "impl": impl, "round": r,
-                                     "metrics": metrics})
-                    if r >= 0 and (r + 1) % 10 == 0:
-                        say(f"{name}: {r + 1}/{rounds} rounds")
-    except (R.RunError, R.ConfigError) as e:
-        raise E2EError(str(e)) from e
+    with ab.served_layers("e2e-layers", out_dir=out_dir, health_timeout=health_timeout,
+                          progress=progress) as (serve, out, servers):
+        ids = ab.ordinary_token_ids(serve.model_path)
+        for name, sc in scenarios.items():
+            say(f"{name}: {warmup} warm-up + {rounds} rounds of {sc.concurrency} x "
+                f"({sc.prompt_len} prompt + {sc.output_len} output tokens) per layer")
+            for r in range(-warmup, rounds):
+                prompts = [[rng.choice(ids) for _ in range(sc.prompt_len)]
+                           for _ in range(sc.concurrency)]
+                for side in (SIDES if r % 2 == 0 else SIDES[::-1]):
+                    url, pid = servers[side].base_url, servers[side].proc.pid
+                    time.sleep(settle_s)
+                    measure_block(url, serve.served_model_name, [prompts[0][:1]], 1, pid)
+                    metrics = measure_block(url, serve.served_model_name, prompts,
+                                            sc.output_len, pid)
+                    runs.append({"scenario": name, "impl": side, "round": r,
+                                 "metrics": metrics})
+                if r >= 0 and (r + 1) % 10 == 0:
+                    say(f"{name}: {r + 1}/{rounds} rounds")
     (out / "runs.json").write_text(json.dumps(runs))
     return {"schema": SCHEMA, "rounds": rounds, "warmup": warmup, "seed": seed,
             "settle_s": settle_s,
@@ -329,8 +269,9 @@ def format_result(res: Mapping[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=30, help="rounds per scenario (default 30)")
+    p = ab.parser(__doc__)
+    p.add_argument("--rounds", type=ab.positive, default=30,
+                   help="rounds per scenario (default 30)")
     p.add_argument("--warmup", type=int, default=2,
                    help="unrecorded rounds per scenario first (default 2)")
     p.add_argument("--scenario", action="append", choices=sorted(SCENARIOS),
@@ -338,18 +279,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
     p.add_argument("--settle", type=float, default=1.5,
                    help="seconds of quiet before each block (default 1.5)")
-    p.add_argument("--json", help="write the result here")
     args = p.parse_args(argv)
-    if args.rounds < 1 or args.warmup < 0:
-        p.error("--rounds must be positive and --warmup non-negative")
+    if args.warmup < 0:
+        p.error("--warmup must be non-negative")
     chosen = {k: SCENARIOS[k] for k in (args.scenario or SCENARIOS)}
-    try:
-        res = run(rounds=args.rounds, warmup=args.warmup, scenarios=chosen, seed=args.seed,
-                  settle_s=args.settle)
-    except (E2EError, ValueError) as e:
-        print(f"e2e-layers failed: {e}", file=sys.stderr)
-        return 3
-    return finish(res, args.json, format_result(res))
+    return ab.conclude("e2e-layers", lambda: run(
+        rounds=args.rounds, warmup=args.warmup, scenarios=chosen, seed=args.seed,
+        settle_s=args.settle), format_result, args.json)
 
 
 if __name__ == "__main__":

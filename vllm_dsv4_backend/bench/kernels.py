@@ -9,8 +9,10 @@ caches with padded block stride, one query token per request (s_q 1), batch 1 / 
 Reported per batch size: median time per call (= one layer's sparse attention for the whole
 batch) and tokens/s per layer = batch / time, for
 
-- ``torch``: :func:`vllm_dsv4_backend.ops.sparse_mla_decode` forced to the torch path, with
-  preallocated ``out`` / ``lse_out`` / ``scratch`` (what the layer does);
+- ``torch``: the plugin's torch sparse MLA (argument checks, then
+  :func:`~vllm_dsv4_backend.ops.torch_sparse_mla.sparse_mla_decode_torch`, the fallback that
+  serves ``flash_mla_with_kvcache_cpu`` where vLLM's C++ library lacks it), with
+  preallocated ``out`` / ``lse_out`` / ``scratch``;
 - ``naive``: the straightforward torch formulation (``dequantize_and_gather`` of every index,
   fp32 einsum softmax), to show what the optimised reference buys;
 - ``gemm_floor``: the two fp32 GEMMs alone (``Q K^T`` and ``P K`` on contiguous, dequantized
@@ -19,7 +21,8 @@ batch) and tokens/s per layer = batch / time, for
   (vLLM's AVX512-BF16 library), and the ratio torch time / C++ time, measured in the same run
   with interleaved repetitions.
 
-Usage: ``python -m vllm_dsv4_backend.bench.kernels [--json PATH] [--batch 1 8 32] [--reps N]``.
+Usage: ``vllm-dsv4-bench kernels [--json PATH] [--batch 1 8 32] [--reps N]`` (or
+``python -m vllm_dsv4_backend.bench.kernels ...``).
 """
 
 from __future__ import annotations
@@ -35,9 +38,8 @@ from collections.abc import Callable
 
 import torch
 
-from vllm_dsv4_backend import ops
 from vllm_dsv4_backend.formats import fp8_ds_mla as F
-from vllm_dsv4_backend.ops import vllm_cpu
+from vllm_dsv4_backend.ops import checks, torch_sparse_mla, vllm_cpu
 
 H_Q = 64
 WINDOW = 128
@@ -67,17 +69,19 @@ def _setup(batch: int, seed: int = 0) -> dict:
         sink=sink,
         out=torch.empty(batch, 1, H_Q, 512, dtype=torch.bfloat16),
         lse=torch.empty(batch, H_Q, 1),
-        scratch=torch.empty(ops.decode_scratch_nbytes(batch, 1, H_Q, WINDOW, TOPK),
+        scratch=torch.empty(torch_sparse_mla.decode_scratch_nbytes(batch, 1, H_Q, WINDOW, TOPK),
                             dtype=torch.uint8),
     )
 
 
 def _torch_fn(s: dict) -> Callable[[], object]:
+    args = (s["q"], s["swa"], s["win"], None, s["sink"])
+    extra = (s["comp"], s["comp_idx"], None)
+
     def run() -> object:
-        return ops.sparse_mla_decode(
-            s["q"], s["swa"], s["win"], None, s["sink"], SCALE, s["comp"], s["comp_idx"], None,
-            out=s["out"], lse_out=s["lse"], scratch=s["scratch"], kernel="torch",
-        )
+        dims = checks.check_decode_args(*args, SCALE, *extra, s["out"], s["lse"])
+        return torch_sparse_mla.sparse_mla_decode_torch(
+            *args, dims, *extra, out=s["out"], lse_out=s["lse"], scratch=s["scratch"])
 
     return run
 

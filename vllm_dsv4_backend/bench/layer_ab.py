@@ -28,42 +28,17 @@ fast), median over all pairs with its p10..p90 spread.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
-import os
 import random
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
-from vllm_dsv4_backend.bench import finish, median_ci
+from vllm_dsv4_backend.bench import ab
 
-REPO = Path(__file__).resolve().parents[2]
-TINY_MODEL = REPO / "configs" / "tiny-dsv4"
 SCHEMA = "vllm-dsv4-layer-ab/1"
-# DeepSeek-V4-Flash's attention shapes (per its config); MoE/vocab stay tiny.
-FLASH_ATTENTION = {
-    "hidden_size": 4096, "num_attention_heads": 64, "q_lora_rank": 1024,
-    "o_lora_rank": 1024, "o_groups": 8, "moe_intermediate_size": 256,
-}
-
-
-def flash_shaped_model(out_dir: Path) -> Path:
-    """A copy of the tiny model dir with Flash's attention widths."""
-    dst = out_dir / "flash-shaped-dsv4"
-    if dst.exists():
-        shutil.rmtree(dst)
-    shutil.copytree(TINY_MODEL, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(FLASH_ATTENTION)
-    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
-    return dst
 
 
 def _pct(xs: Sequence[float], q: float) -> float:
@@ -87,27 +62,6 @@ def _cpu_allocations(fn: Any) -> tuple[int, int]:
             nbytes += evt.self_cpu_memory_usage
     del torch
     return count, nbytes
-
-
-def swapped_parts(layer: Any) -> list[tuple[Any, type, type]]:
-    """``(module, plugin class, vLLM class)`` for the plugin's attention module
-    and each submodule whose class the plugin swaps (indexer, compressors): the
-    vLLM class is the first of the module's bases that vLLM defines."""
-    parts = []
-    indexer = getattr(layer, "indexer", None)
-    for m in (layer, indexer, getattr(layer, "compressor", None),
-              getattr(indexer, "compressor", None)):
-        if m is not None:
-            cls = type(m)
-            vllm_cls = next(c for c in cls.__mro__ if c.__module__.startswith("vllm."))
-            parts.append((m, cls, vllm_cls))
-    return parts
-
-
-def set_classes(parts: Sequence[tuple[Any, type, type]], side: str) -> None:
-    """Switch ``parts`` (:func:`swapped_parts`) to the plugin's or vLLM's classes."""
-    for m, plugin_cls, vllm_cls in parts:
-        m.__class__ = plugin_cls if side == "plugin" else vllm_cls
 
 
 class _Recorder:
@@ -138,12 +92,12 @@ class _Recorder:
             # The same module, dispatching to vLLM's methods for one call.
             mine = parts.get(id(layer))
             if mine is None:
-                mine = parts[id(layer)] = swapped_parts(layer)
-            set_classes(mine, "vllm")
+                mine = parts[id(layer)] = ab.swapped_parts(layer)
+            ab.set_classes(mine, "vllm")
             try:
                 yield
             finally:
-                set_classes(mine, "plugin")
+                ab.set_classes(mine, "plugin")
 
         def vllm_forward(layer: Any, positions: Any, hidden: Any) -> Any:
             with as_vllm_layer(layer):
@@ -208,7 +162,7 @@ class _Recorder:
 def _row(case: str, kind: str, tokens: int, plugin_ms: list[float], vllm_ms: list[float],
          identical: int | None, allocs: dict[str, Any]) -> dict[str, Any]:
     ratios = [v / p for p, v in zip(plugin_ms, vllm_ms)]
-    ci_lo, ci_hi = median_ci(ratios)
+    ci_lo, ci_hi = ab.median_ci(ratios)
     return {
         "case": case, "layer_kind": kind, "tokens": tokens, "pairs": len(ratios),
         "identical": identical,
@@ -228,23 +182,13 @@ def run(*, flash_shaped: bool = False, batches: Sequence[int] = (1, 8, 32),
         context: int = 256, prefill: int = 1024, decode_steps: int = 4, reps: int = 3,
         threads: int | None = None, progress: Any = sys.stderr) -> dict[str, Any]:
     """Run every case in one engine; returns the JSON-able result."""
-    set_threads(threads)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-    from vllm.plugins import load_general_plugins
+    llm, vocab = ab.start_engine(
+        flash_shaped=flash_shaped, threads=threads,
+        max_model_len=max(max(prefill, context + decode_steps) + 16, 2048),
+        max_num_batched_tokens=max(prefill, max(batches) * (context + 1), 2048),
+        max_num_seqs=max(batches))
+    from vllm import SamplingParams
 
-    load_general_plugins()
-    tmp = Path(tempfile.mkdtemp(prefix="dsv4-layer-ab-"))
-    model = flash_shaped_model(tmp) if flash_shaped else TINY_MODEL
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    max_len = max(prefill, context + decode_steps) + 16
-    mnbt = max(prefill, max(batches) * (context + 1), 2048)
-    llm = LLM(model=str(model), load_format="dummy", tokenizer_mode="hf",
-              kv_cache_dtype="fp8", enforce_eager=True, max_model_len=max(max_len, 2048),
-              max_num_batched_tokens=mnbt, max_num_seqs=max(batches), seed=0,
-              attention_backend="FLASHMLA_SPARSE_DSV4", enable_prefix_caching=False)
-    confirm_threads(threads)
     rng = random.Random(0)
     rec = _Recorder(reps)
     t0 = time.monotonic()
@@ -252,11 +196,9 @@ def run(*, flash_shaped: bool = False, batches: Sequence[int] = (1, 8, 32),
         cases = [(f"decode_b{b}", b, [context] * b, decode_steps) for b in batches]
         cases.append((f"prefill_{prefill}", prefill, [prefill], 1))
         for name, tokens, lens, steps in cases:
-            progress.write(f"[layer-ab] {name} ...\n")
-            progress.flush()
+            ab.sayer("layer-ab", progress)(f"{name} ...")
             rec.case, rec.tokens = name, tokens
-            prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(16, vocab)
-                                                      for _ in range(n)]) for n in lens]
+            prompts = ab.token_prompts(rng, vocab, lens)
             llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=steps,
                                                  ignore_eos=True), use_tqdm=False)
         rec.case = None
@@ -299,56 +241,13 @@ def format_result(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_shape_args(p: argparse.ArgumentParser) -> None:
-    """``--flash-shaped`` and ``--batches``, shared by the layer-vs-layer benchmarks."""
-    p.add_argument("--flash-shaped", action="store_true",
-                   help="DeepSeek-V4-Flash attention widths instead of the tiny model's")
-    p.add_argument("--batches", default="1,8,32", help="decode batch sizes (default 1,8,32)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads of the engine (default: torch's, one per core; "
-                        "a served CPU worker runs on 1 where the cores are 2)")
-
-
-def set_threads(threads: int | None) -> None:
-    """Set torch's thread count before the engine starts: vLLM's CPU worker refuses
-    ``torch.set_num_threads`` once it has bound its threads."""
-    if threads is None:
-        return
-    if threads < 1:
-        raise ValueError(f"--threads must be positive, got {threads}")
-    import torch
-
-    torch.set_num_threads(threads)
-
-
-def confirm_threads(threads: int | None) -> None:
-    """After the engine started: a figure timed at another count than asked is refused."""
-    import torch
-
-    if threads is not None and torch.get_num_threads() != threads:
-        raise RuntimeError(f"--threads {threads} asked, but the engine runs on "
-                           f"{torch.get_num_threads()} (vLLM's CPU thread binding overrode it)")
-
-
-def parse_batches(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_shape_args(p)
-    p.add_argument("--context", type=int, default=256, help="prompt tokens per decode request")
-    p.add_argument("--prefill", type=int, default=1024, help="tokens of the prefill case")
-    p.add_argument("--reps", type=int, default=3, help="A/B pairs per layer forward")
-    p.add_argument("--json", help="write the result here")
+    p = ab.parser(__doc__, context=256)
+    p.add_argument("--reps", type=ab.positive, default=3, help="A/B pairs per layer forward")
     args = p.parse_args(argv)
-    batches = parse_batches(args.batches)
-    if not batches or min(batches) < 1 or args.reps < 1 or args.context < 1 \
-            or (args.threads is not None and args.threads < 1):
-        p.error("--batches, --context, --reps and --threads must be positive")
-    res = run(flash_shaped=args.flash_shaped, batches=batches, context=args.context,
-              prefill=args.prefill, reps=args.reps, threads=args.threads)
-    return finish(res, args.json, format_result(res))
+    return ab.conclude("layer-ab", lambda: run(
+        flash_shaped=args.flash_shaped, batches=args.batches, context=args.context,
+        prefill=args.prefill, reps=args.reps, threads=args.threads), format_result, args.json)
 
 
 if __name__ == "__main__":

@@ -30,10 +30,8 @@ vLLM runs only in subprocesses.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import os
 import random
 import sys
 import time
@@ -41,9 +39,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from vllm_dsv4_backend.bench import finish
-from vllm_dsv4_backend.bench.e2e import REPO, SERVE_CONFIG
-from vllm_dsv4_backend.bench.e2e_layers import IMPLS, ordinary_token_ids, served_layers
+from vllm_dsv4_backend.bench import ab
+from vllm_dsv4_backend.bench.ab import SIDES
 
 SCHEMA = "vllm-dsv4-solo-identity/1"
 TOP_N = 20
@@ -51,7 +48,7 @@ TOP_N = 20
 
 def make_prompts(model_dir: Path, n: int, seed: int = 0, max_words: int = 250) -> list[list[int]]:
     """``n`` prompts of 1..``max_words`` ordinary tokens (no added/special ones)."""
-    ids = ordinary_token_ids(model_dir)
+    ids = ab.ordinary_token_ids(model_dir)
     rng = random.Random(seed)
     lengths = [1, max_words] + [rng.randint(1, max_words) for _ in range(max(0, n - 2))]
     return [[rng.choice(ids) for _ in range(k)] for k in lengths[:n]]
@@ -75,10 +72,8 @@ async def _complete(session: Any, url: str, model: str, prompt: list[int], token
 
 async def _run_all(url: str, model: str, prompts: Sequence[list[int]], tokens: int,
                    concurrency: int) -> list[dict[str, Any]]:
-    import aiohttp
-
     sem = asyncio.Semaphore(concurrency)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+    async with ab.client_session() as session:
         async def one(p: list[int]) -> dict[str, Any]:
             async with sem:
                 return await _complete(session, url, model, p, tokens)
@@ -131,39 +126,27 @@ def summarize(solo: Sequence[dict[str, Any]], concurrent: Sequence[Sequence[dict
 def run(*, prompts: int = 24, tokens: int = 16, concurrency: int = 16, runs: int = 2,
         tie_margin: float = 1.0, health_timeout: float = 1200.0,
         progress: TextIO | None = sys.stderr) -> dict[str, Any]:
-    from vllm_dsv4_backend import run as R
-
-    serve = R.load_serve_config(SERVE_CONFIG)
-    if serve.model_path is None:
-        raise ValueError(f"{SERVE_CONFIG}: the model must be a local directory")
-    scratch = Path(os.environ.get("DSV4_SCRATCH", REPO / ".scratch"))
-    out = scratch / "runs" / (time.strftime("%Y%m%d-%H%M%S") + "-solo-identity")
-    out.mkdir(parents=True, exist_ok=True)
-    reqs = make_prompts(serve.model_path, prompts)
-
-    def say(msg: str) -> None:
-        if progress is not None:
-            progress.write(f"[solo-identity] {msg}\n")
-            progress.flush()
-
+    say = ab.sayer("solo-identity", progress)
     t0 = time.monotonic()
-    outputs: dict[str, dict[str, Any]] = {impl: {"solo": None, "concurrent": []}
-                                          for impl in IMPLS}
-    with served_layers(serve, out, scratch, health_timeout, say, progress) as (servers, _):
-        for impl in IMPLS:
-            say(f"{impl}: {len(reqs)} prompts one at a time")
-            outputs[impl]["solo"] = asyncio.run(_run_all(
-                servers[impl].base_url, serve.served_model_name, reqs, tokens, 1))
+    outputs: dict[str, dict[str, Any]] = {side: {"solo": None, "concurrent": []}
+                                          for side in SIDES}
+    with ab.served_layers("solo-identity", health_timeout=health_timeout,
+                          progress=progress) as (serve, out, servers):
+        reqs = make_prompts(serve.model_path, prompts)
+        for side in SIDES:
+            say(f"{side}: {len(reqs)} prompts one at a time")
+            outputs[side]["solo"] = asyncio.run(_run_all(
+                servers[side].base_url, serve.served_model_name, reqs, tokens, 1))
         for r in range(runs):
-            for impl in (IMPLS if r % 2 == 0 else IMPLS[::-1]):
-                say(f"{impl}: concurrent run {r + 1}/{runs} (concurrency {concurrency})")
-                outputs[impl]["concurrent"].append(asyncio.run(_run_all(
-                    servers[impl].base_url, serve.served_model_name, reqs, tokens,
+            for side in (SIDES if r % 2 == 0 else SIDES[::-1]):
+                say(f"{side}: concurrent run {r + 1}/{runs} (concurrency {concurrency})")
+                outputs[side]["concurrent"].append(asyncio.run(_run_all(
+                    servers[side].base_url, serve.served_model_name, reqs, tokens,
                     concurrency)))
     (out / "outputs.json").write_text(json.dumps({"prompts": reqs, "outputs": outputs}))
 
-    summary = {impl: summarize(outputs[impl]["solo"], outputs[impl]["concurrent"], reqs,
-                               tie_margin) for impl in IMPLS}
+    summary = {side: summarize(outputs[side]["solo"], outputs[side]["concurrent"], reqs,
+                               tie_margin) for side in SIDES}
     return {"schema": SCHEMA, "prompts": len(reqs), "tokens": tokens,
             "concurrency": concurrency, "runs": runs, "tie_margin": tie_margin,
             "summary": summary, "out_dir": str(out), "wall_s": time.monotonic() - t0}
@@ -182,19 +165,17 @@ def format_result(res: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompts", type=int, default=24)
-    p.add_argument("--tokens", type=int, default=16)
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--runs", type=int, default=2, help="concurrent runs per layer (default 2)")
+    p = ab.parser(__doc__)
+    p.add_argument("--prompts", type=ab.positive, default=24)
+    p.add_argument("--tokens", type=ab.positive, default=16)
+    p.add_argument("--concurrency", type=ab.positive, default=16)
+    p.add_argument("--runs", type=ab.positive, default=2,
+                   help="concurrent runs per layer (default 2)")
     p.add_argument("--tie-margin", type=float, default=1.0)
-    p.add_argument("--json", help="write the result here")
     args = p.parse_args(argv)
-    if min(args.prompts, args.tokens, args.concurrency, args.runs) < 1:
-        p.error("--prompts, --tokens, --concurrency and --runs must be positive")
-    res = run(prompts=args.prompts, tokens=args.tokens, concurrency=args.concurrency,
-              runs=args.runs, tie_margin=args.tie_margin)
-    return finish(res, args.json, format_result(res))
+    return ab.conclude("solo-identity", lambda: run(
+        prompts=args.prompts, tokens=args.tokens, concurrency=args.concurrency,
+        runs=args.runs, tie_margin=args.tie_margin), format_result, args.json)
 
 
 if __name__ == "__main__":

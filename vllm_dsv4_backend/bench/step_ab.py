@@ -48,34 +48,19 @@ drops torch to one thread for serving); ``--threads 1`` times the steps as it ru
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
-import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
-from vllm_dsv4_backend.bench import finish, median_ci, verdict
-from vllm_dsv4_backend.bench.layer_ab import (
-    TINY_MODEL,
-    add_shape_args,
-    confirm_threads,
-    flash_shaped_model,
-    parse_batches,
-    set_classes,
-    set_threads,
-    swapped_parts,
-)
+from vllm_dsv4_backend.bench import ab
+from vllm_dsv4_backend.bench.ab import SIDES
 
 SCHEMA = "vllm-dsv4-step-ab/2"  # 2: pairs of the same work, closing_steps
-SIDES = ("plugin", "vllm")
 # execute_model, the two parts of it the layer and the builders change, and inside the
 # forward the attention layers' own forwards (summed over the step's layers).
 PARTS = ("step", "build", "forward", "attn")
@@ -119,7 +104,7 @@ class Sides:
         if not self.layers:
             raise RuntimeError("step-ab: the engine is not running the plugin's layer")
         self.ratios = sorted({m.compress_ratio for m in self.layers if m.compress_ratio > 1})
-        self.parts = [p for m in self.layers for p in swapped_parts(m)]
+        self.parts = [p for m in self.layers for p in ab.swapped_parts(m)]
         swa_cls = backend.get_swa_builder_cls()
         self.swa_builders = [b for groups in runner.attn_groups for g in groups
                              for b in g.metadata_builders if type(b) is swa_cls]
@@ -128,7 +113,7 @@ class Sides:
                                  "vllm": DeepseekV4CPUSparseSWAMetadataBuilder}
 
     def set(self, side: str) -> None:
-        set_classes(self.parts, side)
+        ab.set_classes(self.parts, side)
         for b in self.swa_builders:
             b.__class__ = self._builder_classes[side]
 
@@ -221,25 +206,13 @@ def summarize(steps: Sequence[dict[str, Any]], tokens: int) -> dict[str, Any]:
         side: sum(1 for s in steps if s["tokens"] == tokens and s["side"] == side
                   and any(s.get("work", ())[1:])) for side in SIDES}}
     for part in PARTS:
-        ratios = pair_ratios(steps, part, tokens)
-        lo, hi = median_ci(ratios) if ratios else (None, None)
         ms = {side: [1e3 * s[part] for s in steps
                      if s["tokens"] == tokens and s["side"] == side and part in s]
               for side in SIDES}
-        row[part] = {"pairs": len(ratios),
-                     "ratio_median": statistics.median(ratios) if ratios else None,
-                     "ratio_ci95_lo": lo, "ratio_ci95_hi": hi, "verdict": verdict(lo, hi),
+        row[part] = {**ab.ratio_stats(pair_ratios(steps, part, tokens)),
                      **{f"{side}_ms_median": statistics.median(v) if v else None
                         for side, v in ms.items()}}
     return row
-
-
-def _engine(LLM: type, model: Path, max_seqs: int, max_len: int) -> Any:  # noqa: N803
-    return LLM(model=str(model), load_format="dummy", tokenizer_mode="hf",
-               kv_cache_dtype="fp8", enforce_eager=True, max_model_len=max_len,
-               max_num_batched_tokens=max(max_len, 2048), max_num_seqs=max_seqs, seed=0,
-               attention_backend="FLASHMLA_SPARSE_DSV4", enable_prefix_caching=False,
-               distributed_executor_backend="uni", generation_config="vllm")
 
 
 def _runner(llm: Any) -> Any:
@@ -257,33 +230,21 @@ def run(*, flash_shaped: bool = False, batches: Sequence[int] = (1, 8, 32),
     if envs.VLLM_DSV4_ATTN_IMPL == "vllm":
         raise ValueError("step-ab switches the plugin's layer to vLLM's and back: run it "
                          "with VLLM_DSV4_ATTN_IMPL=auto or plugin, not vllm")
-    set_threads(threads)
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    # LLM first: the plugin patches LLM.__init__ when it loads.
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-    from vllm.plugins import load_general_plugins
+    max_len = max(prefill + 16, context + output_len + 16, 2048)
+    llm, vocab = ab.start_engine(flash_shaped=flash_shaped, threads=threads,
+                                 max_model_len=max_len, max_num_batched_tokens=max_len,
+                                 max_num_seqs=max(batches), distributed_executor_backend="uni",
+                                 generation_config="vllm")
+    from vllm import SamplingParams
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    load_general_plugins()
-    tmp = Path(tempfile.mkdtemp(prefix="dsv4-step-ab-"))
-    model = flash_shaped_model(tmp) if flash_shaped else TINY_MODEL
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    llm = _engine(LLM, model, max(batches), max(prefill + 16, context + output_len + 16, 2048))
-    confirm_threads(threads)
-    runner = _runner(llm)
-    rec = _StepRecorder(Sides(runner))
+    rec = _StepRecorder(Sides(_runner(llm)))
     rng = random.Random(0)
 
     def prompts(n: int, length: int) -> list[Any]:
-        return [TokensPrompt(prompt_token_ids=[rng.randrange(16, vocab) for _ in range(length)])
-                for _ in range(n)]
+        return ab.token_prompts(rng, vocab, [length] * n)
 
-    def say(msg: str) -> None:
-        if progress is not None:
-            progress.write(f"[step-ab] {msg}\n")
-            progress.flush()
-
+    say = ab.sayer("step-ab", progress)
     t0 = time.monotonic()
     rows, identical = [], {}
     with rec.installed(GPUModelRunner):
@@ -342,29 +303,17 @@ def format_result(res: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_shape_args(p)
-    p.add_argument("--prefill", type=int, default=1024, help="prompt tokens of the prefill case")
+    p = ab.parser(__doc__, context=16)
     p.add_argument("--output-len", type=int, default=64, help="tokens per decode request")
-    p.add_argument("--context", type=int, default=16, help="prompt tokens per decode request")
-    p.add_argument("--requests", type=int, default=6,
+    p.add_argument("--requests", type=ab.positive, default=6,
                    help="generations per decode case (8x as many prefills; default 6)")
-    p.add_argument("--json", help="write the result here")
     args = p.parse_args(argv)
-    batches = parse_batches(args.batches)
-    if not batches or min(batches) < 1 or args.requests < 1 or args.output_len < 2 \
-            or args.prefill < 1 or args.context < 1 \
-            or (args.threads is not None and args.threads < 1):
-        p.error("--batches, --requests, --prefill, --context, --threads must be positive, "
-                "--output-len >= 2")
-    try:
-        res = run(flash_shaped=args.flash_shaped, batches=batches, prefill=args.prefill,
-                  output_len=args.output_len, requests=args.requests, context=args.context,
-                  threads=args.threads)
-    except (ValueError, RuntimeError) as e:
-        print(f"step-ab failed: {e}", file=sys.stderr)
-        return 3
-    return finish(res, args.json, format_result(res))
+    if args.output_len < 2:
+        p.error("--output-len must be >= 2")
+    return ab.conclude("step-ab", lambda: run(
+        flash_shaped=args.flash_shaped, batches=args.batches, prefill=args.prefill,
+        output_len=args.output_len, requests=args.requests, context=args.context,
+        threads=args.threads), format_result, args.json)
 
 
 if __name__ == "__main__":
