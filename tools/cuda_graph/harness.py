@@ -20,9 +20,15 @@ allocations), and the plugin's output with vLLM's.
 Modes: CPU ``eager`` (serial; aux streams None), ``private`` (policy),
 ``mrv1`` (0.33 only: ``_prepare_and_attn_eager``); CUDA (when available)
 ``cuda-eager`` (3 real aux streams, slow consumers), ``cuda-piecewise``
-(vLLM's ``BreakableCUDAGraphCapture``: warm-up, capture per micro-batch, then
-replays) and ``cuda-full`` (``torch.cuda.graph`` of the whole step, both
-micro-batches, forward-context mode FULL, replays).
+(vLLM's ``BreakableCUDAGraphCapture``: warm-up, capture per micro-batch with
+real metadata as MRV2 does, then replays), ``cuda-piecewise-gemm0`` (the
+same with ``VLLM_MULTI_STREAM_GEMM_TOKEN_THRESHOLD=0``: drives
+``GraphSafeCudaStreamBackend``'s dropped fences) and ``cuda-full``
+(``torch.cuda.graph`` of the whole step, both micro-batches, forward-context
+mode FULL, replays). Leases per step expected (review §1c, 2 micro-batches):
+eager 30, piecewise 6 (the C4 top-k only), full 0 (``leases_as_expected``,
+information). On CPU, a dispatch-mode lint of one FULL-mode forward must find
+no host sync (the evidence that the FULL capture can work).
 
 Negative controls (must be detected): (a) the workspace's no-fence switch
 (``VLLM_DSV4_TEST_UNSAFE_NO_FENCES``) under the fork-free fan-out of
@@ -764,6 +770,9 @@ def host_sync_lint(impl: str, seed: int) -> dict[str, int]:
 # --- driver -----------------------------------------------------------------------------
 
 MODES_CPU = ("eager", "private", "mrv1")
+# Plugin leases per step at run/replay time (2 micro-batches; review §1c).
+EXPECTED_LEASES = {"eager": 30, "private": 30, "mrv1": 30, "cuda-eager": 30,
+                   "cuda-piecewise": 6, "cuda-piecewise-gemm0": 6, "cuda-full": 0}
 MODES_CUDA = ("cuda-eager", "cuda-piecewise", "cuda-piecewise-gemm0", "cuda-full")
 
 
@@ -846,6 +855,9 @@ def run_all(modes: list[str] | None = None, steps: int = 3, device: str | None =
                 cmp = {"bitwise_equal": False}
                 log(f"[{mode:15s}] {impl:6s} ERROR {res['error']}")
             res.update(cmp)
+            want = EXPECTED_LEASES.get(mode) if impl == "plugin" else 0
+            if "leases_per_step" in res and want is not None:
+                res["leases_as_expected"] = all(n == want for n in res["leases_per_step"])
             entry[impl] = res
             ok &= cmp["bitwise_equal"]
             if "error" not in res:
