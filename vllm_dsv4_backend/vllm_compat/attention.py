@@ -212,63 +212,53 @@ def install_attention_layer(
                 on_applied(f"attention:vllm (plugin layer unavailable: {e})")
             return None
 
-    def install_cpu(module: ModuleType) -> None:
-        # Fail closed like CUDA: a changed hook point or copied body (a vLLM
-        # patch release) keeps vLLM's layer with one ERROR line, or raises
-        # under VLLM_DSV4_ATTN_IMPL=plugin.
-        try:
-            owner, attr, current = hooks.resolve(module, CPU_SYMBOL)
-            if not isinstance(current, type):
-                raise hooks.fail(f"{CPU_MODULE}.{CPU_SYMBOL}", f"is {current!r}, not a class")
-            resolved = resolve()
-            if resolved is None:
-                return
-            layer = _check_layer_cls(resolved)
-        except hooks.PatchError as e:
-            if not optional:
-                raise
-            logger.error("keeping vLLM's own DeepSeek-V4 attention layer on CPU: %s", e)
-            if on_applied:
-                on_applied(f"attention:vllm (plugin layer not installed: {e})")
-            return
-        if current is not layer:
+    def place_cpu(module: ModuleType, layer: type | None) -> None:
+        # layer None: only check the hook point. Rebinds the module global.
+        owner, attr, current = hooks.resolve(module, CPU_SYMBOL)
+        if not isinstance(current, type):
+            raise hooks.fail(f"{CPU_MODULE}.{CPU_SYMBOL}", f"is {current!r}, not a class")
+        if layer is not None and current is not layer:
             setattr(owner, attr, layer)
-        _installed["cls"] = layer
-        _register_backend_of(layer)
-        if on_applied:
-            on_applied(f"attention:{CPU_MODULE}.{CPU_SYMBOL}={layer.__qualname__}")
 
-    def install_cuda(module: ModuleType) -> None:
-        # Fail closed: any hook point that differs from vLLM 0.33.x / 0.34.x leaves vLLM's
-        # own layer in place with one clear log line (or raises under
-        # VLLM_DSV4_ATTN_IMPL=plugin).
+    def place_cuda(module: ModuleType, layer: type | None) -> None:
+        current = check_cuda_hook_points(module)
+        if layer is None or current is layer:
+            return
+        if not issubclass(layer, current):
+            raise hooks.fail(
+                f"{CUDA_MODULE}.{CUDA_SYMBOL}",
+                f"is {current.__module__}.{current.__qualname__}, which "
+                f"{layer.__qualname__} does not subclass",
+            )
+        setattr(module, CUDA_SYMBOL, layer)
+
+    target, place = (
+        (f"{CPU_MODULE}.{CPU_SYMBOL}", place_cpu) if platform == "cpu"
+        else (f"{CUDA_MODULE}.{CUDA_SYMBOL}", place_cuda)
+    )
+
+    def install(module: ModuleType) -> None:
+        # Fail closed: a hook point or copied body that differs from the vLLM the
+        # plugin was read from (a patch release) keeps vLLM's own layer with one
+        # ERROR line, or raises under VLLM_DSV4_ATTN_IMPL=plugin (not optional).
         try:
-            current = check_cuda_hook_points(module)
+            place(module, None)
             resolved = resolve()
             if resolved is None:
                 return
             layer = _check_layer_cls(resolved)
-            if current is not layer:
-                if not issubclass(layer, current):
-                    raise hooks.fail(
-                        f"{CUDA_MODULE}.{CUDA_SYMBOL}",
-                        f"is {current.__module__}.{current.__qualname__}, which "
-                        f"{layer.__qualname__} does not subclass",
-                    )
-                setattr(module, CUDA_SYMBOL, layer)
+            place(module, layer)
         except hooks.PatchError as e:
             if not optional:
                 raise
-            logger.error("keeping vLLM's own DeepSeek-V4 attention layer on CUDA: %s", e)
+            logger.error("keeping vLLM's own DeepSeek-V4 attention layer on %s: %s",
+                         platform.upper(), e)
             if on_applied:
                 on_applied(f"attention:vllm (plugin layer not installed: {e})")
             return
         _installed["cls"] = layer
         _register_backend_of(layer)
         if on_applied:
-            on_applied(f"attention:{CUDA_MODULE}.{CUDA_SYMBOL}={layer.__qualname__}")
+            on_applied(f"attention:{target}={layer.__qualname__}")
 
-    if platform == "cpu":
-        hooks.when_imported(CPU_MODULE, install_cpu)
-    else:
-        hooks.when_imported(CUDA_MODULE, install_cuda)
+    hooks.when_imported(CPU_MODULE if platform == "cpu" else CUDA_MODULE, install)
