@@ -813,6 +813,9 @@ def run_all(modes: list[str] | None = None, steps: int = 3, device: str | None =
     vllm = _stub()
     from vllm import _harness_standins as S
 
+    # One CPU thread by default: OpenMP threads sharing busy cores collapse, and the
+    # tensors here are small (HARNESS_THREADS to change it).
+    torch.set_num_threads(int(os.environ.get("HARNESS_THREADS", "1")))
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
