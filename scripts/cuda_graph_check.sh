@@ -14,8 +14,9 @@
 # PYTHONPATH=build/vllm_stub/<ver>:. under $PYTHON (default .venv/bin/python, else python3);
 # the stub's `vllm` shadows any installed vLLM (checked). CUDA modes run when
 # torch.cuda.is_available(). Default --vllm: every version with a venv, wheel or stub.
-# --json FILE: one JSON with a report per version. Exit 1 if any mode differs from its
-# reference or a negative control is not detected; 2 on usage or build errors.
+# --json FILE: one JSON with a report per version (written even when one fails or times
+# out: HARNESS_VERSION_TIMEOUT s per version, default 300). Exit 1 if any mode differs
+# from its reference or a negative control is not detected; 2 on usage or build errors.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -88,9 +89,11 @@ for v in $VERSIONS; do
   fi
   echo "== harness, vLLM $v stub ($PY)"
   PYTHONPATH=$STUB:$ROOT${PYTHONPATH:+:$PYTHONPATH} PYTHONDONTWRITEBYTECODE=1 \
-    "$PY" tools/cuda_graph/harness.py \
+    timeout "${HARNESS_VERSION_TIMEOUT:-300}" "$PY" tools/cuda_graph/harness.py \
     --json "$OUTDIR/$v.json" ${HARNESS_ARGS[@]+"${HARNESS_ARGS[@]}"}
   rc=$?
+  [ $rc = 124 ] && echo "cuda_graph_check: vLLM $v harness timed out" \
+    "(HARNESS_VERSION_TIMEOUT=${HARNESS_VERSION_TIMEOUT:-300} s); its JSON holds the modes done"
   [ $rc = 0 ] || STATUS=1
 done
 
@@ -101,7 +104,11 @@ out, d, versions = sys.argv[1], sys.argv[2], sys.argv[3:]
 reports = {}
 for v in versions:
     p = os.path.join(d, f"{v}.json")
-    reports[v] = json.load(open(p)) if os.path.exists(p) else {"ok": False, "error": "no report"}
+    try:
+        with open(p) as f:
+            reports[v] = json.load(f)
+    except (OSError, ValueError):
+        reports[v] = {"ok": False, "error": "no report (the harness crashed before writing)"}
 doc = {"ok": all(r.get("ok") for r in reports.values()), "versions": reports}
 os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
 with open(out, "w") as f:

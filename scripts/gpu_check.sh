@@ -16,8 +16,6 @@
 #                                              # .venv-vllm033/.venv-vllm034 or the wheels)
 #                                              # and copy pytest & co. (pure Python) into
 #                                              # .scratch/gpu_bundle; carry both
-#   bash scripts/gpu_check.sh --with-bench     # also the layer benchmark (~4 more minutes;
-#                                              # on by default with --dry-run or BENCH_ARGS)
 #
 # Nothing is installed: the package is torch-only and runs from the checkout
 # (PYTHONPATH=repo). If the box's Python has no pytest, the bundle made by --make-bundle
@@ -26,9 +24,9 @@
 #
 # Environment: PYTHON (default python3, else python), OUT (results dir; default
 # .scratch/gpu_check), GPU_CHECK_TESTS (pytest paths; default "tests/gpu"), TEST_TIMEOUT
-# (s, default 120), HARNESS_TIMEOUT (s, default 150), GPU_CHECK_HARNESS=0 (skip the
-# harness), BENCH_TIMEOUT (s, default 330), BENCH_ARGS (replace the benchmark flags and run
-# it; default: --full --device cuda --time-budget 240).
+# (s, default 120), HARNESS_TIMEOUT (s, default 170; HARNESS_VERSION_TIMEOUT, default 80,
+# per vLLM version), GPU_CHECK_HARNESS=0 (skip the harness). (The layer benchmark step is
+# gone with the unserved layer benchmark; the bench commands need vLLM.)
 # Exit code: 0 when every step passed, 1 otherwise. The dry run builds the stubs when a
 # vLLM venv or wheel is there, runs the harness for one step, and does not fail for want
 # of a stub; on the box a missing stub fails.
@@ -37,20 +35,18 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 
 DRY=0
-BENCH=0
 BUNDLE=""
 MAKE_BUNDLE=""
 OUT_DIR=${OUT:-$ROOT/.scratch/gpu_check}
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
-    --with-bench) BENCH=1 ;;
     --out) OUT_DIR=$2; shift ;;
     --bundle) BUNDLE=$2; shift ;;
     --make-bundle)
       if [ $# -gt 1 ] && [ "${2#--}" = "$2" ]; then MAKE_BUNDLE=$2; shift
       else MAKE_BUNDLE=$ROOT/.scratch/gpu_bundle; fi ;;
-    -h|--help) sed -n '4,30p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '4,32p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -117,8 +113,6 @@ EOF
   exit 0
 fi
 
-[ -n "${BENCH_ARGS:-}" ] && BENCH=1
-[ $DRY = 1 ] && BENCH=1
 mkdir -p "$OUT_DIR"
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONDONTWRITEBYTECODE=1
@@ -131,9 +125,6 @@ if [ $DRY = 1 ]; then
   echo 'raise ImportError("vllm is blocked by scripts/gpu_check.sh --dry-run (GPU box has none)")' \
     > "$STUB/vllm/__init__.py"
   export PYTHONPATH=$STUB:$PYTHONPATH
-  BENCH_ARGS=${BENCH_ARGS:---preset tiny --device cpu}
-else
-  BENCH_ARGS=${BENCH_ARGS:---full --device cuda --time-budget 240}
 fi
 
 echo "== gpu_check: $(date -u +%FT%TZ), repo $ROOT, results $OUT_DIR, dry-run $DRY"
@@ -189,8 +180,9 @@ HARNESS_FLAGS=(--no-build)
 if [ "${GPU_CHECK_HARNESS:-1}" = 0 ]; then
   HARNESS_STATUS=SKIPPED; HARNESS_DETAIL="GPU_CHECK_HARNESS=0"
 elif [ $DRY = 1 ] || ls "$ROOT"/build/vllm_stub/*/vllm/__init__.py >/dev/null 2>&1; then
-  echo "== cuda_graph_check ${HARNESS_FLAGS[*]} (timeout ${HARNESS_TIMEOUT:-150} s)"
-  PYTHON=$PY timeout "${HARNESS_TIMEOUT:-150}" bash scripts/cuda_graph_check.sh \
+  echo "== cuda_graph_check ${HARNESS_FLAGS[*]} (timeout ${HARNESS_TIMEOUT:-170} s)"
+  PYTHON=$PY HARNESS_VERSION_TIMEOUT=${HARNESS_VERSION_TIMEOUT:-80} \
+    timeout "${HARNESS_TIMEOUT:-170}" bash scripts/cuda_graph_check.sh \
     "${HARNESS_FLAGS[@]}" --json "$OUT_DIR/cuda_graph.json" 2>&1 | tee "$OUT_DIR/cuda_graph.log"
   rc=${PIPESTATUS[0]}
   case $rc in
@@ -203,35 +195,18 @@ elif [ $DRY = 1 ] || ls "$ROOT"/build/vllm_stub/*/vllm/__init__.py >/dev/null 2>
 fi
 T2=$SECONDS
 
-BENCH_STATUS="SKIPPED"; BENCH_DETAIL="--with-bench to run it"
-if [ $BENCH = 1 ]; then
-  echo "== vllm-dsv4-bench $BENCH_ARGS --json $OUT_DIR/bench.json (timeout ${BENCH_TIMEOUT:-330} s)"
-  # shellcheck disable=SC2086
-  timeout "${BENCH_TIMEOUT:-330}" "$PY" -m vllm_dsv4_backend.bench.cli $BENCH_ARGS --quiet \
-    --json "$OUT_DIR/bench.json" 2>&1 | tee "$OUT_DIR/bench.log"
-  rc=${PIPESTATUS[0]}
-  case $rc in
-    0) BENCH_STATUS=PASS ;;
-    124) BENCH_STATUS=TIMEOUT ;;
-    *) BENCH_STATUS="FAIL($rc)" ;;
-  esac
-  BENCH_DETAIL="$OUT_DIR/bench.json"
-  [ -f "$OUT_DIR/bench.json" ] || { BENCH_DETAIL="no JSON written"; BENCH_STATUS="FAIL($rc)"; }
-fi
-T3=$SECONDS
 
 echo
 echo "== gpu_check summary ($( [ $DRY = 1 ] && echo 'dry run, CPU' || echo CUDA ))"
 printf '%-8s %-10s %6s  %s\n' step status seconds detail
 printf '%-8s %-10s %6s  %s\n' pytest "$TEST_STATUS" $((T1 - T0)) "$TEST_DETAIL"
 printf '%-8s %-10s %6s  %s\n' harness "$HARNESS_STATUS" $((T2 - T1)) "$HARNESS_DETAIL"
-printf '%-8s %-10s %6s  %s\n' bench "$BENCH_STATUS" $((T3 - T2)) "$BENCH_DETAIL"
-# One JSON with everything: the steps, the harness reports, the bench's if it ran.
-"$PY" - "$OUT_DIR" "$DRY" "$TEST_STATUS" "$TEST_DETAIL" "$HARNESS_STATUS" "$BENCH_STATUS" \
-  $((T1 - T0)) $((T2 - T1)) $((T3 - T2)) <<'EOF'
+# One JSON with everything: the steps and the harness reports.
+"$PY" - "$OUT_DIR" "$DRY" "$TEST_STATUS" "$TEST_DETAIL" "$HARNESS_STATUS" \
+  $((T1 - T0)) $((T2 - T1)) <<'EOF'
 import json, os, platform, sys
 import torch
-out, dry, ts, td, hs, bs, t_test, t_h, t_b = sys.argv[1:]
+out, dry, ts, td, hs, t_test, t_h = sys.argv[1:]
 def load(name):
     try:
         with open(os.path.join(out, name)) as f:
@@ -246,26 +221,19 @@ doc = {
     "steps": {
         "pytest": {"status": ts, "detail": td, "seconds": int(t_test)},
         "harness": {"status": hs, "seconds": int(t_h)},
-        "bench": {"status": bs, "seconds": int(t_b)},
     },
     "harness": load("cuda_graph.json"),
-    "bench": load("bench.json") if bs != "SKIPPED" else None,
 }
 with open(os.path.join(out, "gpu_check.json"), "w") as f:
     json.dump(doc, f, indent=1)
 print(f"gpu_check: wrote {os.path.join(out, 'gpu_check.json')}")
 EOF
-if [ $BENCH = 1 ] && [ -f "$OUT_DIR/bench.json" ]; then
-  echo
-  "$PY" -m vllm_dsv4_backend.bench.cli --summary-from "$OUT_DIR/bench.json" --summary-only
-fi
 HARNESS_OK=0
 case "$HARNESS_STATUS" in
   PASS|SKIPPED) HARNESS_OK=1 ;;
   "NOT RUN") [ $DRY = 1 ] && HARNESS_OK=1 ;;
 esac
-if [ "$TEST_STATUS" = PASS ] && [ $HARNESS_OK = 1 ] && \
-   { [ $BENCH = 0 ] || [ "$BENCH_STATUS" = PASS ]; }; then
+if [ "$TEST_STATUS" = PASS ] && [ $HARNESS_OK = 1 ]; then
   exit 0
 fi
 exit 1

@@ -808,8 +808,19 @@ def run_mode(mode: str, impl: str, where: torch.device, seed: int, steps: int
     return res
 
 
+def _write(path: str, report: dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
 def run_all(modes: list[str] | None = None, steps: int = 3, device: str | None = None,
-            seed: int = 0, log: Callable[[str], None] = print) -> dict[str, Any]:
+            seed: int = 0, log: Callable[[str], None] = print,
+            json_path: str | None = None) -> dict[str, Any]:
+    """Every mode, the comparisons and the controls; with ``json_path`` the
+    report is rewritten after each mode (``complete`` false until the end), so
+    a run killed by a timeout still leaves what it did."""
     vllm = _stub()
     from vllm import _harness_standins as S
 
@@ -829,7 +840,7 @@ def run_all(modes: list[str] | None = None, steps: int = 3, device: str | None =
                               "torch": torch.__version__, "device": str(dev), "steps": steps,
                               "ratios": list(RATIOS), "ubatches": NUM_UBATCHES,
                               "tokens_per_ubatch": DECODES + PREFILL, "modes": {},
-                              "controls": {}}
+                              "controls": {}, "complete": False, "ok": False}
     t0 = time.time()
     refs: dict[tuple[str, str], list[torch.Tensor]] = {}
 
@@ -872,6 +883,8 @@ def run_all(modes: list[str] | None = None, steps: int = 3, device: str | None =
                     + (f" fences dropped={res['fences_dropped']}"
                        if "fences_dropped" in res else ""))
         report["modes"][mode] = entry
+        if json_path:
+            _write(json_path, report)
     # The plugin's layer and vLLM's compute the same bits (same stand-ins).
     for where in {torch.device("cpu")} | ({dev} if dev.type == "cuda" else set()):
         same = _diff(reference("plugin", where), reference("vllm", where))
@@ -918,6 +931,7 @@ def run_all(modes: list[str] | None = None, steps: int = 3, device: str | None =
         if "detected" in ctl:
             ok &= bool(ctl["detected"])
     report["ok"] = bool(ok)
+    report["complete"] = True
     report["seconds"] = round(time.time() - t0, 1)
     return report
 
@@ -930,11 +944,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     args = ap.parse_args(argv)
     modes = args.modes.split(",") if args.modes else None
-    report = run_all(modes, steps=args.steps, device=args.device)
+    report = run_all(modes, steps=args.steps, device=args.device, json_path=args.json)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        _write(args.json, report)
     print(f"harness: vLLM {report['vllm']} stub, {report['device']}: "
           f"{'OK' if report['ok'] else 'FAILED'} in {report['seconds']} s")
     return 0 if report["ok"] else 1
