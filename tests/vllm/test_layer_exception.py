@@ -160,10 +160,10 @@ def _error(e: BaseException) -> dict[str, Any]:
 
 def _lease_report() -> list[dict[str, Any]]:
     """Per workspace manager of this process: what is leased now."""
-    from vllm_dsv4_backend.layer import cpu
+    from vllm_dsv4_backend.layer import core
 
     report = []
-    for mgr in cpu._managers.values():
+    for mgr in core._managers.values():
         s = mgr.stats()
         report.append({
             "policy": s["policy"], "leases_total": s["leases_total"],

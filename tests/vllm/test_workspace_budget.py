@@ -6,7 +6,8 @@ alternatives), ``shared`` is not checked, and the micro-batch count is vLLM's
 ``parallel_config.num_ubatches``.
 
 Each engine runs in a subprocess (this file as a script, in-process engine) in
-which ``layer.cpu.reserve_budget_bytes`` is replaced by a 1-byte budget: no
+which ``layer.core.reserve_budget_bytes`` (the CPU layer reserves through
+``core.reserve_and_report``) is replaced by a 1-byte budget: no
 machine has that little memory, so the refusal is the layer's wiring, not
 this box's size.
 """
@@ -29,7 +30,7 @@ MODEL = ROOT / "configs" / "tiny-dsv4"
 def _worker(policy: str, out_path: str) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_DSV4_WORKSPACE"] = policy
-    import vllm_dsv4_backend.layer.cpu as cpu
+    import vllm_dsv4_backend.layer.core as core
 
     devices: list[str] = []
 
@@ -37,7 +38,7 @@ def _worker(policy: str, out_path: str) -> None:
         devices.append(str(device))
         return 1
 
-    cpu.reserve_budget_bytes = one_byte
+    core.reserve_budget_bytes = one_byte
     from vllm import LLM
 
     report: dict = {}
@@ -100,9 +101,9 @@ def test_shared_is_not_checked_against_the_budget(tmp_path):
     (SimpleNamespace(use_ubatching=True), 2),  # a vLLM without num_ubatches: DBO's 2
 ])
 def test_cpu_layer_reserves_vllms_micro_batch_count(parallel, want):
-    from vllm_dsv4_backend.layer import cpu
+    from vllm_dsv4_backend.layer import core
 
-    assert cpu._num_ubatches(SimpleNamespace(parallel_config=parallel)) == want
+    assert core.num_ubatches(parallel) == want
 
 
 @pytest.mark.vllm

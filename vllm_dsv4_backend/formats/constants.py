@@ -9,6 +9,8 @@ written once.
 
 from __future__ import annotations
 
+import operator
+
 __all__ = [
     "INDEXER_KV_DTYPES",
     "KERNEL_BLOCK_SIZE",
@@ -28,14 +30,22 @@ LAYER_KINDS: dict[int, str] = {0: "swa", 1: "swa", 4: "c4", 128: "c128"}
 
 
 def layer_kind(compress_ratio: int) -> str:
-    """``"swa"``, ``"c4"`` or ``"c128"`` for a vLLM compress ratio.
+    """``"swa"``, ``"c4"`` or ``"c128"`` for a vLLM compress ratio (the one
+    definition: the workspace's sizing and the layers import it).
 
     Raises:
-        ValueError: a ratio DeepSeek-V4 does not use (the message lists them).
+        ValueError: not an int (bools and strings included), or a ratio
+            DeepSeek-V4 does not use (the message lists the supported ones).
     """
-    try:
-        return LAYER_KINDS[int(compress_ratio)]
-    except (KeyError, TypeError, ValueError):
+    kind = None
+    if not isinstance(compress_ratio, bool):
+        try:
+            kind = LAYER_KINDS.get(operator.index(compress_ratio))
+        except TypeError:
+            kind = None
+    if kind is None:
         raise ValueError(
-            f"compress_ratio: expected one of {sorted(LAYER_KINDS)}, got {compress_ratio!r}"
-        ) from None
+            f"compress_ratio: expected one of {sorted(LAYER_KINDS)} (0 and 1: sliding window "
+            f"only, 4: C4, 128: C128), got {compress_ratio!r}"
+        )
+    return kind

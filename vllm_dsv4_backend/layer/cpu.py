@@ -52,7 +52,6 @@ when it installs the layer.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
@@ -69,12 +68,12 @@ from vllm.utils.torch_utils import _encode_layer_name
 
 from vllm_dsv4_backend import eager, envs, testing
 from vllm_dsv4_backend.backend import DSV4FlashMLASparseBackend, DSV4SWABackend
-from vllm_dsv4_backend.formats.constants import layer_kind
+from vllm_dsv4_backend.layer import core
+from vllm_dsv4_backend.layer.core import layer_kind
 from vllm_dsv4_backend.ops import compressor as compressor_ops
 from vllm_dsv4_backend.ops import indexer as indexer_ops
 from vllm_dsv4_backend.vllm_compat import cpu_ops
-from vllm_dsv4_backend.workspace import WorkspaceConfig, WorkspaceManager
-from vllm_dsv4_backend.workspace.budget import reserve_budget_bytes
+from vllm_dsv4_backend.workspace import WorkspaceManager
 
 logger = init_logger(__name__)
 
@@ -98,8 +97,6 @@ COPIED_VLLM_BODIES: tuple[str, ...] = (
 )
 
 _ROPE_DIM = 64  # vLLM's cpu_sparse._ROPE_DIM: the rotated tail of each head
-_managers: dict[int, WorkspaceManager] = {}
-_managers_lock = threading.Lock()
 _logged_kinds: set[str] = set()
 
 
@@ -138,16 +135,6 @@ class _StepTables:
 _step_tables: dict[int, _StepTables] = {}
 
 
-try:
-    from vllm.v1.worker.ubatching import dbo_current_ubatch_id as _dbo_ubatch_id
-except ImportError:  # a vLLM without micro-batching: always micro-batch 0
-    _dbo_ubatch_id = None
-
-
-def _ubatch_id() -> int:
-    return 0 if _dbo_ubatch_id is None else int(_dbo_ubatch_id())
-
-
 def _short_context(indexer_md: Any, compress_ratio: int, topk_tokens: int) -> bool:
     """vLLM's rule (``DeepseekV4CPUIndexer.forward``): no row sees more than
     ``topk_tokens`` compressed entries, so the indexer fills "every visible
@@ -181,46 +168,14 @@ def _map_slots(
     return slot.mul_(block_size).add_(offset).masked_fill_(invalid, -1)
 
 
-def _num_ubatches(vllm_config: Any) -> int:
-    """Micro-batches vLLM runs per step: ``parallel_config.num_ubatches`` (2
-    with DBO, ``--ubatch-size`` otherwise) when micro-batching is on, else 1;
-    each gets its own workspace slots (``dbo_current_ubatch_id()``)."""
-    parallel = vllm_config.parallel_config
-    if not getattr(parallel, "use_ubatching", False):
-        return 1
-    return max(1, int(getattr(parallel, "num_ubatches", 2)))
-
-
 def workspace_manager_for(vllm_config: Any, layer: DSV4CPUAttention) -> WorkspaceManager:
-    """The model's workspace manager (one per model per process), created by
-    its first attention layer; every layer registers itself before load ends."""
-    key = id(vllm_config)
-    with _managers_lock:
-        manager = _managers.get(key)
-        if manager is None:
-            config = WorkspaceConfig.from_hf_config(
-                vllm_config.model_config.hf_config,
-                max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
-                tp_size=vllm_config.parallel_config.tensor_parallel_size,
-                indexer_kv_dtype=layer.indexer_kv_dtype,
-                num_ubatches=_num_ubatches(vllm_config),
-                padded_heads=layer.padded_heads,
-                # vLLM's CPU layer allocated the attention output per layer and
-                # step; the q itself comes back from vLLM's fused kernel.
-                include_attn_out=True,
-                include_q=False,
-            )
-            manager = WorkspaceManager(
-                config,
-                layers=[],
-                device=vllm_config.device_config.device,
-                policy=envs.VLLM_DSV4_WORKSPACE,
-                debug=envs.VLLM_DSV4_WORKSPACE_DEBUG,
-                _unsafe_disable_fences_for_tests=not testing.fences_enabled(),
-            )
-            _managers[key] = manager
-            _step_tables[id(manager)] = _StepTables()
-        return manager
+    """The model's workspace manager (one per model per process,
+    :func:`.core.manager_for`), created by its first attention layer; every
+    layer registers itself before load ends. The model's step tables
+    (:class:`_StepTables`) come with it."""
+    manager = core.manager_for(vllm_config, layer)
+    _step_tables.setdefault(id(manager), _StepTables())
+    return manager
 
 
 def _sparse_mla_path(kernel: str) -> str:
@@ -425,7 +380,7 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         self._workspace = workspace_manager_for(vllm_config, self)
         self._workspace.add_layer(self.prefix, self.compress_ratio)
         self._tables = _step_tables[id(self._workspace)]
-        self._step: eager.Step | None = None
+        self._steps = core.StepHolder(self._workspace, self.prefix)
         if self.indexer is not None:
             self.indexer.__class__ = DSV4Indexer
             self.indexer._dsv4_dtype = self.indexer_kv_dtype
@@ -449,26 +404,20 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         self._first_layer = next(iter(self._workspace.layers)) == self.prefix
         # Resolved once: the forward path reads no setting and imports nothing.
         self._layer_name_arg = _encode_layer_name(self.prefix)
-        # Without DBO every step is micro-batch 0: no per-layer thread lookup.
-        self._ubatched = self._workspace.config.num_ubatches > 1
         self._markers = envs.VLLM_DSV4_MARKER_DIR is not None
+
+    @property
+    def _step(self) -> eager.Step | None:
+        """This layer's open step of the current micro-batch (``None`` outside
+        its forward)."""
+        return self._steps.current()
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         super().process_weights_after_loading(act_dtype)
-        # All layers exist by now: reserve once, before vLLM profiles memory.
-        if not self._workspace.reserved:
-            # private (a set of buffers per layer) is refused here, with the
-            # alternatives, when it exceeds the memory available now.
-            self._workspace.reserve(
-                budget_bytes=reserve_budget_bytes(self._workspace.device)
-            )
-            stats = self._workspace.stats()
-            logger.info(
-                "vllm_dsv4_backend workspace: policy %s, %.1f MiB reserved for %d layers",
-                self._workspace.policy,
-                stats.get("reserved_bytes_total", 0) / 2**20,
-                len(self._workspace.layers),
-            )
+        # All layers exist by now: reserve once, before vLLM profiles memory;
+        # private (a set of buffers per layer) is refused here, with the
+        # alternatives, when it exceeds the memory available now.
+        core.reserve_and_report(self._workspace, "CPU")
         testing.after_layer_loaded(self)
 
     # --- the eager region ------------------------------------------------------------
@@ -484,9 +433,7 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         num_tokens = hidden_states.shape[0]
         if self._first_layer:
             self._tables.clear()
-        ubatch = _ubatch_id() if self._ubatched else 0
-        with eager.Step(self._workspace, self.prefix, num_tokens, ubatch) as step:
-            self._step = step
+        with self._steps.open(num_tokens) as step:
             try:
                 o_padded = step.lease("q")["out"]
                 qr_kv = self._fused_wqa_wkv_gemm(hidden_states)
@@ -513,7 +460,6 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
                     self._layer_name_arg,
                 )
             finally:
-                self._step = None
                 if self._markers:
                     testing.after_layer_forward(self, self._workspace)
 

@@ -70,9 +70,7 @@ import contextlib
 import functools
 import hashlib
 import importlib.util
-import threading
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -83,10 +81,11 @@ from vllm.models.deepseek_v4.attention import DeepseekV4Indexer
 from vllm.models.deepseek_v4.compressor import DeepseekCompressor
 from vllm.models.deepseek_v4.nvidia.flashmla import DeepseekV4FlashMLAAttention
 
-from vllm_dsv4_backend import attention_config, eager, envs, testing
-from vllm_dsv4_backend.workspace import WorkspaceConfig, WorkspaceManager
-from vllm_dsv4_backend.workspace.budget import reserve_budget_bytes
-from vllm_dsv4_backend.workspace.streams import CudaStreamBackend
+from vllm_dsv4_backend import attention_config, eager, testing
+from vllm_dsv4_backend.layer import core
+from vllm_dsv4_backend.layer.core import make_workspace, num_ubatches
+from vllm_dsv4_backend.layer.cuda_kernels import GraphSafeCudaStreamBackend, VllmCudaKernels
+from vllm_dsv4_backend.workspace import WorkspaceManager
 
 logger = init_logger(__name__)
 
@@ -101,6 +100,7 @@ __all__ = [
     "VllmCudaKernels",
     "layer_cls",
     "make_workspace",
+    "num_ubatches",
     "workspace_manager_for",
 ]
 
@@ -197,239 +197,11 @@ SOURCE_BODIES: dict[tuple[str, str], str] = {
      "SparseAttnCompressorCuteDSL.__call__"): "1aed2b6b14e57d54",
 }
 
-_FP8_MAX = 448.0  # float8_e4m3fn (CUDA); e4m3fnuz is ROCm only
-
-
-def _ubatch_id() -> int:
-    try:
-        from vllm.v1.worker.ubatching import dbo_current_ubatch_id
-    except ImportError:  # pragma: no cover - 0.33 has it
-        return 0
-    return int(dbo_current_ubatch_id())
-
-
-# --- streams -----------------------------------------------------------------------
-
-
-class _Fence:
-    __slots__ = ("event", "src")
-
-    def __init__(self) -> None:
-        self.event: torch.cuda.Event | None = None
-        self.src: Any = None
-
-
-def _is_capturing(stream: Any) -> bool:
-    with torch.cuda.stream(stream):
-        return bool(torch.cuda.is_current_stream_capturing())
-
-
-class GraphSafeCudaStreamBackend(CudaStreamBackend):
-    """CUDA streams for the workspace, safe under CUDA-graph capture.
-
-    The manager fences a hand-over by ``record(event, consumer)`` followed by
-    ``wait(producer, event)``; this backend performs the record at the wait,
-    when both streams are known, and drops the pair when the producer's
-    stream is capturing and the earlier user's stream is not part of that
-    capture. Such a user ran in an earlier graph segment, an eager break or
-    before capture; at replay vLLM 0.33 joins every aux stream into the
-    default stream before each segment or eager break returns
-    (``execute_in_parallel`` / ``maybe_execute_in_parallel`` wait on their
-    done events), and segments launch on the default stream in order, so the
-    dependency holds without the event, which CUDA would reject anyway
-    (a captured wait on an uncaptured record). ``dropped`` counts them.
-    """
-
-    def __init__(self, device: torch.device | str | int | None = None) -> None:
-        super().__init__(device)
-        self.dropped = 0
-
-    def new_event(self) -> Any:
-        return _Fence()
-
-    def record(self, event: Any, stream: Any) -> None:
-        event.src = stream
-
-    def wait(self, stream: Any, event: Any) -> None:
-        src = event.src
-        if src is None:
-            return
-        event.src = None
-        if _is_capturing(stream) != _is_capturing(src):
-            self.dropped += 1
-            return
-        if event.event is None:
-            event.event = torch.cuda.Event(enable_timing=False)
-        event.event.record(src)
-        stream.wait_event(event.event)
-
-
-# --- kernels -----------------------------------------------------------------------
-
-
-class VllmCudaKernels:
-    """vLLM 0.33's CUDA kernel objects that accept caller-owned outputs.
-
-    Resolved at call time (the CuTe DSL modules import ``cutlass`` and
-    initialise the CUDA driver, so never at plugin load), with the dispatch
-    of vLLM's wrappers: CuTe DSL when ``has_cutedsl()``, else the Triton
-    twins. Tests replace the whole object with torch ops (a test double).
-    """
-
-    def global_topk_indices_and_lens(
-        self,
-        global_topk_indices: torch.Tensor,
-        topk_lens: torch.Tensor,
-        topk_indices: torch.Tensor,
-        token_to_req_indices: torch.Tensor,
-        block_table: torch.Tensor,
-        block_size: int,
-        is_valid_token: torch.Tensor,
-    ) -> None:
-        from vllm.models.deepseek_v4.common.ops.cache_utils import (
-            _COMPUTE_GLOBAL_TOPK_INDICES_AND_LENS_KERNEL,
-        )
-
-        _COMPUTE_GLOBAL_TOPK_INDICES_AND_LENS_KERNEL(
-            global_topk_indices, topk_lens, topk_indices, token_to_req_indices, block_table,
-            block_size, is_valid_token,
-        )
-
-    def indexer_q_fp8(
-        self,
-        *,
-        positions: torch.Tensor,
-        q: torch.Tensor,
-        cos_sin_cache: torch.Tensor,
-        weights: torch.Tensor,
-        weights_softmax_scale: float,
-        weights_head_scale: float,
-        q_fp8: torch.Tensor,
-        weights_out: torch.Tensor,
-    ) -> None:
-        from vllm.utils.import_utils import has_cutedsl
-
-        if has_cutedsl():
-            from vllm.models.deepseek_v4.nvidia.ops.fused_indexer_q_cutedsl import (
-                _INDEXER_Q_FP8_KERNEL,
-            )
-
-            _INDEXER_Q_FP8_KERNEL(
-                positions=positions, q=q, cos_sin_cache=cos_sin_cache, weights=weights,
-                weights_softmax_scale=weights_softmax_scale,
-                weights_head_scale=weights_head_scale, q_fp8=q_fp8.view(torch.uint8),
-                weights_out=weights_out,
-            )
-            return
-        from vllm.models.deepseek_v4.common.ops.fused_indexer_q import (
-            _FUSED_INDEXER_Q_ROPE_QUANT_TRITON_KERNEL,
-        )
-
-        _FUSED_INDEXER_Q_ROPE_QUANT_TRITON_KERNEL(
-            positions, q, cos_sin_cache, weights, weights_softmax_scale, weights_head_scale,
-            q_fp8, weights_out, fp8_max=_FP8_MAX, use_fnuz=False,
-        )
-
-    def indexer_q_mxfp4(
-        self,
-        *,
-        positions: torch.Tensor,
-        q: torch.Tensor,
-        cos_sin_cache: torch.Tensor,
-        weights: torch.Tensor,
-        weights_softmax_scale: float,
-        weights_head_scale: float,
-        q_packed: torch.Tensor,
-        q_scale: torch.Tensor,
-        weights_out: torch.Tensor,
-    ) -> None:
-        from vllm.utils.import_utils import has_cutedsl
-
-        if has_cutedsl():
-            from vllm.models.deepseek_v4.nvidia.ops.fused_indexer_q_cutedsl import (
-                _INDEXER_Q_MXFP4_KERNEL,
-            )
-
-            _INDEXER_Q_MXFP4_KERNEL(
-                positions=positions, q=q, cos_sin_cache=cos_sin_cache, weights=weights,
-                weights_softmax_scale=weights_softmax_scale,
-                weights_head_scale=weights_head_scale, q_packed=q_packed, q_scale=q_scale,
-                weights_out=weights_out,
-            )
-            return
-        from vllm.models.deepseek_v4.common.ops.fused_indexer_q import (
-            _FUSED_INDEXER_Q_ROPE_MXFP4_TRITON_KERNEL,
-        )
-
-        _FUSED_INDEXER_Q_ROPE_MXFP4_TRITON_KERNEL(
-            positions, q, cos_sin_cache, weights, weights_softmax_scale, weights_head_scale,
-            q_packed, q_scale, weights_out,
-        )
-
-    def c128_state_block_size(self) -> int:
-        from vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl import (
-            _SPARSE_ATTN_COMPRESS_C128_BLOCK8_KERNEL,
-        )
-
-        return int(_SPARSE_ATTN_COMPRESS_C128_BLOCK8_KERNEL.state_block_size)
-
-    def c128_compress(self, **kwargs: Any) -> None:
-        from vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl import (
-            _SPARSE_ATTN_COMPRESS_C128_BLOCK8_KERNEL,
-        )
-
-        _SPARSE_ATTN_COMPRESS_C128_BLOCK8_KERNEL(**kwargs)
-
-    def c128_store(self, **kwargs: Any) -> None:
-        from vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl import (
-            _SPARSE_ATTN_NORM_ROPE_STORE_KERNEL,
-        )
-
-        _SPARSE_ATTN_NORM_ROPE_STORE_KERNEL(**kwargs)
-
-    def flash_mla_with_kvcache(self, **kwargs: Any) -> Any:
-        # The module global vLLM's layer calls (a RuntimeError stub without
-        # FlashMLA's extensions).
-        from vllm.models.deepseek_v4.nvidia import flashmla
-
-        return flashmla.flash_mla_with_kvcache(**kwargs)
-
-
 # --- workspace ---------------------------------------------------------------------
 
-_managers: dict[tuple[int, int], WorkspaceManager] = {}
-_managers_lock = threading.Lock()
 
-
-def _indexer_kv_dtype(vllm_config: Any) -> str:
-    value = vllm_config.attention_config.resolve_indexer_kv_dtype("fp8")
-    # Anything else is refused by vLLM's indexer with its own message.
-    return value if value in ("fp8", "mxfp4") else "fp8"
-
-
-def num_ubatches(parallel_config: Any) -> int:
-    """Micro-batches vLLM runs per step: ``parallel_config.num_ubatches``
-    (2 with DBO, ``--ubatch-size`` otherwise) when micro-batching is on, else 1;
-    each gets its own workspace slots (``dbo_current_ubatch_id()``)."""
-    if not getattr(parallel_config, "use_ubatching", False):
-        return 1
-    return max(1, int(getattr(parallel_config, "num_ubatches", 2)))
-
-
-def make_workspace(
-    config: WorkspaceConfig, *, device: torch.device | str, streams: Any = None
-) -> WorkspaceManager:
-    """A workspace manager with the serving settings: policy, debug and the
-    test-only no-fence switch from :mod:`vllm_dsv4_backend.envs`."""
-    return WorkspaceManager(
-        config,
-        layers=[],
-        device=device,
-        streams=streams,
-        policy=envs.VLLM_DSV4_WORKSPACE,
-        debug=envs.VLLM_DSV4_WORKSPACE_DEBUG,
-        _unsafe_disable_fences_for_tests=not testing.fences_enabled(),
-    )
+def _graph_safe_streams(device: torch.device) -> Any:
+    return GraphSafeCudaStreamBackend(device) if device.type == "cuda" else None
 
 
 def workspace_manager_for(
@@ -439,32 +211,9 @@ def workspace_manager_for(
 ) -> WorkspaceManager:
     """The workspace of one model (main model, MTP drafter or DSpark draft:
     each has its own aux streams and top-k buffer, ``model_key``), created by
-    its first attention layer; reserved when the layers' weights are loaded."""
-    key = (id(vllm_config), id(model_key))
-    with _managers_lock:
-        manager = _managers.get(key)
-        if manager is None:
-            hf = vllm_config.model_config.hf_config
-            config = WorkspaceConfig(
-                max_num_batched_tokens=int(layer.max_num_batched_tokens),
-                num_local_heads=int(layer.n_local_heads),
-                padded_q_heads=int(layer.padded_heads),
-                head_dim=int(layer.head_dim),
-                index_n_heads=int(hf.index_n_heads),
-                index_head_dim=int(hf.index_head_dim),
-                index_topk=int(hf.index_topk),
-                indexer_kv_dtype=_indexer_kv_dtype(vllm_config),
-                num_ubatches=num_ubatches(vllm_config.parallel_config),
-                # The attention output is leased; the padded q comes back from
-                # vLLM's fused q-norm/RoPE/KV-insert kernel (no out variant).
-                include_attn_out=True,
-                include_q=False,
-            )
-            device = torch.device(vllm_config.device_config.device)
-            streams = GraphSafeCudaStreamBackend(device) if device.type == "cuda" else None
-            manager = make_workspace(config, device=device, streams=streams)
-            _managers[key] = manager
-        return manager
+    its first attention layer (:func:`.core.manager_for`, graph-safe CUDA
+    streams); reserved when the layers' weights are loaded."""
+    return core.manager_for(vllm_config, layer, model_key, streams=_graph_safe_streams)
 
 
 def _owner(module: Any) -> DSV4FlashMLAAttention | None:
@@ -651,8 +400,7 @@ class DSV4FlashMLAAttention(DeepseekV4FlashMLAAttention):
         layers built without a ``VllmConfig``)."""
         self._workspace = workspace
         self._dsv4_kernels = kernels if kernels is not None else VllmCudaKernels()
-        self._dsv4_steps: dict[int, eager.Step] = {}
-        self._dsv4_homes: dict[int, Any] = {}
+        self._dsv4_steps = core.StepHolder(workspace, self.prefix, always_lookup=True)
         self._dsv4_logged = False
         self._dsv4_memory_utilization: float | None = None
         workspace.add_layer(self.prefix, self.compress_ratio)
@@ -669,42 +417,20 @@ class DSV4FlashMLAAttention(DeepseekV4FlashMLAAttention):
     # --- step state (per micro-batch) ----------------------------------------------
 
     def _dsv4_current_step(self) -> eager.Step | None:
-        return self._dsv4_steps.get(_ubatch_id())
+        return self._dsv4_steps.current()
 
     def _dsv4_home_stream(self) -> Any:
-        return self._dsv4_homes.get(_ubatch_id())
+        return self._dsv4_steps.home()
 
-    @contextlib.contextmanager
-    def dsv4_step(self, num_tokens: int) -> Iterator[eager.Step]:
+    def dsv4_step(self, num_tokens: int) -> contextlib.AbstractContextManager[eager.Step]:
         """One forward's leases of this layer and micro-batch, released on
         exit; the current stream is the step's home (default) stream."""
-        ws = self._workspace
-        ubatch = _ubatch_id()
-        with eager.Step(ws, self.prefix, num_tokens, ubatch) as step:
-            self._dsv4_steps[ubatch] = step
-            self._dsv4_homes[ubatch] = ws.backend.current_stream()
-            try:
-                yield step
-            finally:
-                self._dsv4_steps.pop(ubatch, None)
-                self._dsv4_homes.pop(ubatch, None)
+        return self._dsv4_steps.open(num_tokens)
 
     def _dsv4_reserve(self) -> None:
-        ws = self._workspace
-        if ws.reserved:
-            return
         # `private` is refused here, with the bytes and the budget, when one
         # set of buffers per layer does not fit next to vLLM's share of memory.
-        ws.reserve(budget_bytes=reserve_budget_bytes(ws.device, self._dsv4_memory_utilization))
-        stats = ws.stats()
-        logger.info(
-            "vllm_dsv4_backend workspace (CUDA): policy %s, %.1f MiB reserved for %d "
-            "layers, %d micro-batch(es)",
-            ws.policy,
-            stats.get("reserved_bytes_total", 0) / 2**20,
-            len(ws.layers),
-            ws.config.num_ubatches,
-        )
+        core.reserve_and_report(self._workspace, "CUDA", self._dsv4_memory_utilization)
 
     def process_weights_after_loading(self, act_dtype: torch.dtype | None = None) -> None:
         # vLLM 0.33's loader calls this with the model dtype, 0.34's
@@ -823,7 +549,7 @@ class DSV4FlashMLAAttention(DeepseekV4FlashMLAAttention):
                         # Its own step: at graph replay this eager body runs
                         # without the forward's.
                         step = stack.enter_context(
-                            eager.Step(ws, self.prefix, num_decode_tokens, _ubatch_id())
+                            eager.Step(ws, self.prefix, num_decode_tokens, core.ubatch_id())
                         )
                         lease = step.lease("topk")
                         global_indices, topk_lens = lease["global"], lease["lens"]
@@ -907,7 +633,7 @@ def check_mxfp4_arch(vllm_config: Any) -> None:
     """Refuse the MXFP4 indexer cache below SM100 at layer construction,
     naming the GPU and the supported values (vLLM's own check, later, names
     neither the GPU nor the FP8 alternative)."""
-    if _indexer_kv_dtype(vllm_config) != "mxfp4":
+    if core.indexer_kv_dtype(vllm_config) != "mxfp4":
         return
     from vllm.platforms import current_platform
 

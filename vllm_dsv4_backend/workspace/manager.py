@@ -86,7 +86,6 @@ from .sizing import (
     BufferSpec,
     Layout,
     WorkspaceConfig,
-    layer_families,
     layer_kind,
     plan_layout,
     private_fit_tokens,
@@ -98,7 +97,7 @@ ENV_POLICY = "VLLM_DSV4_WORKSPACE"
 ENV_DEBUG = "VLLM_DSV4_WORKSPACE_DEBUG"
 DEFAULT_POLICY = "shared"
 GIB = 1 << 30
-_KIND_NAMES = {"swa": "SWA", "c4": "C4", "compressed": "C128"}
+_KIND_NAMES = {"swa": "SWA", "c4": "C4", "c128": "C128"}
 
 
 class WorkspaceCapacityError(ValueError):
@@ -371,7 +370,7 @@ class WorkspaceManager:
             )
         if not isinstance(name, str) or not name:
             raise ValueError(f"name: expected a non-empty str, got {name!r}")
-        layer_families(compress_ratio)  # validates
+        layer_kind(compress_ratio)  # validates
         if name in self._layers:
             raise ValueError(f"name: layer {name!r} is already registered")
         self._layers[name] = compress_ratio
@@ -389,7 +388,7 @@ class WorkspaceManager:
         """Families ``layer_name`` may lease."""
         if layer_name not in self._layers:
             raise ValueError(f"layer_name: {layer_name!r} is not a registered layer")
-        return layer_families(self._layers[layer_name])
+        return self.config.layer_families(self._layers[layer_name])
 
     def _plan_layout(self) -> Layout:
         return plan_layout(
@@ -460,7 +459,7 @@ class WorkspaceManager:
         per_kind: dict[str, tuple[int, int]] = {}  # kind -> (bytes per layer, layers)
         for r in ratios:
             kind = layer_kind(r)
-            nbytes = sum(cfg.slot_bytes(f) for f in layer_families(r)) * cfg.num_ubatches
+            nbytes = sum(cfg.slot_bytes(f) for f in cfg.layer_families(r)) * cfg.num_ubatches
             per_kind[kind] = (nbytes, per_kind.get(kind, (0, 0))[1] + 1)
         per_layer = ", ".join(
             f"{_KIND_NAMES[k]} {b} bytes ({b / GIB:.2f} GiB) x {n}"
@@ -684,7 +683,7 @@ class WorkspaceManager:
             raise ValueError(f"layer_name: {layer_name!r} is not a registered layer")
         if family not in FAMILIES:
             raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
-        fams = layer_families(self._layers[layer_name])
+        fams = self.config.layer_families(self._layers[layer_name])
         if family not in fams:
             raise ValueError(
                 f"family: layer {layer_name!r} (compress_ratio {self._layers[layer_name]}) has "

@@ -31,8 +31,8 @@ Within a family's region each view starts at a 256-byte aligned offset
 (the alignment #49236 used), so any view can be reinterpreted as uint8/int32.
 
 Layer types follow vLLM's ``compress_ratio``: 0 or 1 = sliding-window only,
-4 = C4 (compressor + lightning indexer), any other ratio > 1 = compressed
-without indexer (C128 in DeepSeek-V4).
+4 = C4 (compressor + lightning indexer), 128 = C128 (compressed without
+indexer); any other ratio is refused (``formats.constants.layer_kind``).
 
 Policies (see ``manager.py``): ``shared`` reserves ``shared_slots`` slots per
 family and micro-batch, used by every layer in turn behind stream fences;
@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from vllm_dsv4_backend.formats import constants
+from vllm_dsv4_backend.formats.constants import layer_kind
 
 ALIGNMENT = 256
 """Byte alignment of every view and slot (same as vLLM #49236's pool)."""
@@ -107,25 +108,12 @@ def padded_q_heads(local_heads: int, kernel: str = "flashmla") -> int:
     )
 
 
-def layer_kind(compress_ratio: int) -> str:
-    """``"swa"``, ``"c4"`` or ``"compressed"`` (C128) for a vLLM compress ratio."""
-    if not isinstance(compress_ratio, int) or isinstance(compress_ratio, bool):
-        raise ValueError(f"compress_ratio: expected an int, got {compress_ratio!r}")
-    if compress_ratio < 0:
-        raise ValueError(f"compress_ratio: expected >= 0, got {compress_ratio}")
-    if compress_ratio <= 1:
-        return "swa"
-    if compress_ratio == 4:
-        return "c4"
-    return "compressed"
-
-
 _FAMILIES_OF_KIND: dict[str, tuple[str, ...]] = {
     "swa": ("q",),
     # The C4 MLA compressor gets scratch too: #49236 gave it none, and a C4
     # compressor path using scratch was one of the ways the pool broke.
     "c4": ("q", "indexer_q", "topk", "compressor"),
-    "compressed": ("q", "compressor"),
+    "c128": ("q", "compressor"),
 }
 
 
@@ -295,6 +283,10 @@ class WorkspaceConfig:
             include_q=include_q,
         )
 
+    def layer_families(self, compress_ratio: int) -> tuple[str, ...]:
+        """Families a layer with this compress ratio leases."""
+        return layer_families(compress_ratio)
+
     def family_buffers(self, family: str) -> tuple[BufferSpec, ...]:
         """The views of ``family`` (see the module docstring for layouts)."""
         hp, d = self.padded_q_heads, self.head_dim
@@ -378,7 +370,7 @@ def plan_layout(
     slot_of: dict[tuple[int, str], int] = {}
     count: dict[str, int] = dict.fromkeys(FAMILIES, 0)
     for i, r in enumerate(ratios):
-        for f in layer_families(r):
+        for f in config.layer_families(r):
             if policy == "private":
                 slot_of[(i, f)] = count[f]
             else:

@@ -1,0 +1,106 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The layer core both platforms share (``vllm_dsv4_backend.layer.core``),
+without vLLM: the workspace config from a vLLM-shaped config, the per-model
+registry, reserve-and-report, the step holder, and the one ``layer_kind``."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_dsv4_backend.formats import constants
+from vllm_dsv4_backend.layer import core
+from vllm_dsv4_backend.workspace import sizing
+
+
+def _vllm_config(dtype: str = "fp8", ubatching: bool = False) -> SimpleNamespace:
+    hf = SimpleNamespace(index_n_heads=4, index_head_dim=64, index_topk=8)
+    return SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=hf),
+        attention_config=SimpleNamespace(resolve_indexer_kv_dtype=lambda default: dtype),
+        parallel_config=SimpleNamespace(use_ubatching=ubatching, num_ubatches=3),
+        device_config=SimpleNamespace(device="cpu"),
+    )
+
+
+def _layer() -> SimpleNamespace:
+    return SimpleNamespace(max_num_batched_tokens=16, n_local_heads=4, padded_heads=8,
+                           head_dim=32)
+
+
+def test_one_layer_kind():
+    assert sizing.layer_kind is constants.layer_kind is core.layer_kind
+    assert [constants.layer_kind(r) for r in (0, 1, 4, 128)] == ["swa", "swa", "c4", "c128"]
+    for bad in (16, 2, -4, True, "4", 4.0, None):
+        with pytest.raises(ValueError, match=r"\[0, 1, 4, 128\]"):
+            constants.layer_kind(bad)
+    with pytest.raises(ValueError):
+        sizing.layer_families(16)
+
+
+@pytest.mark.parametrize(("asked", "want"), [("fp8", "fp8"), ("mxfp4", "mxfp4"),
+                                             ("bf16", "fp8")])
+def test_workspace_config_from_vllm_config(asked, want):
+    cfg = core.workspace_config(_vllm_config(asked, ubatching=True), _layer())
+    assert (cfg.max_num_batched_tokens, cfg.num_local_heads, cfg.padded_q_heads,
+            cfg.head_dim) == (16, 4, 8, 32)
+    assert (cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk) == (4, 64, 8)
+    assert cfg.indexer_kv_dtype == want
+    assert cfg.num_ubatches == 3
+    assert [s.name for s in cfg.family_buffers("q")] == ["out"]
+
+
+def test_num_ubatches():
+    assert core.num_ubatches(SimpleNamespace(use_ubatching=False, num_ubatches=4)) == 1
+    assert core.num_ubatches(SimpleNamespace(use_ubatching=True, num_ubatches=4)) == 4
+    assert core.num_ubatches(SimpleNamespace(use_ubatching=True)) == 2
+
+
+def test_registry_one_manager_per_model_and_key(monkeypatch):
+    monkeypatch.setattr(core, "_managers", {})
+    vc = _vllm_config()
+    a = core.manager_for(vc, _layer())
+    assert core.manager_for(vc, _layer()) is a
+    key = object()
+    b = core.manager_for(vc, _layer(), key)
+    assert b is not a and core.manager_for(vc, _layer(), key) is b
+    assert core.manager_for(_vllm_config(), _layer()) is not a
+
+
+def test_reserve_and_report_logs_once(monkeypatch, caplog):
+    monkeypatch.setattr(core, "_managers", {})
+    ws = core.manager_for(_vllm_config("mxfp4"), _layer())
+    ws.add_layer("layers.0", 4)
+    ws.add_layer("layers.1", 128)
+    caplog.set_level(logging.INFO, logger="vllm_dsv4_backend")
+    assert core.reserve_and_report(ws, "CPU") is True
+    assert core.reserve_and_report(ws, "CPU") is False
+    lines = [r.getMessage() for r in caplog.records if "workspace (CPU)" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "policy shared" in lines[0] and "1 micro-batch(es)" in lines[0]
+    assert "indexer_q" in lines[0] and "for 2 layers" in lines[0]
+
+
+def test_step_holder_per_micro_batch(monkeypatch):
+    monkeypatch.setattr(core, "_managers", {})
+    ws = core.manager_for(_vllm_config(ubatching=True), _layer())
+    ws.add_layer("layers.0", 0)
+    ws.reserve()
+    ids = [0]
+    monkeypatch.setattr(core, "ubatch_id", lambda: ids[0])
+    holder = core.StepHolder(ws, "layers.0")
+    assert holder.current() is None
+    with holder.open(4) as s0:
+        assert holder.current() is s0 and holder.home() == "cpu"
+        ids[0] = 2
+        assert holder.current() is None
+        with holder.open(2) as s2:
+            assert holder.current() is s2 and s2.ubatch == 2
+            s2.lease("q")
+        ids[0] = 0
+        assert holder.current() is s0
+    assert holder.current() is None
+    assert ws.stats()["leased_bytes_now"] == 0

@@ -1,0 +1,263 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""What the plugin's DeepSeek-V4 layers share on every platform.
+
+The CPU layer (:mod:`.cpu`, vLLM 0.32) and the CUDA layer (:mod:`.cuda`,
+vLLM 0.33 / 0.34) are each vLLM's layer for their platform plus the
+workspace; everything about the workspace that does not depend on the
+platform lives here, once:
+
+* the :class:`~vllm_dsv4_backend.workspace.WorkspaceConfig` built from the
+  vLLM config and the layer's own attributes (:func:`workspace_config`),
+  with the indexer-dtype clamp (:func:`indexer_kv_dtype`) and vLLM's
+  micro-batch count (:func:`num_ubatches`);
+* the per-model manager registry (:func:`manager_for`: one manager per
+  ``(vllm_config, model_key)``, created by the model's first layer) and the
+  serving factory (:func:`make_workspace`);
+* reserve-and-report (:func:`reserve_and_report`: the memory-budget check and
+  ONE log line per manager at load: bytes per family, policy, micro-batches);
+* the step holder (:class:`StepHolder`: a layer's open
+  :class:`~vllm_dsv4_backend.eager.Step` per micro-batch and the stream it
+  was opened on).
+
+This module imports no vLLM at import time (micro-batch ids are looked up
+lazily), so it loads under vLLM 0.32, 0.33 and 0.34 alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import threading
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from vllm_dsv4_backend import eager, envs, testing
+from vllm_dsv4_backend._logging import init_logger
+from vllm_dsv4_backend.formats.constants import layer_kind
+from vllm_dsv4_backend.workspace import WorkspaceConfig, WorkspaceManager
+from vllm_dsv4_backend.workspace.budget import reserve_budget_bytes
+
+logger = init_logger(__name__)
+
+__all__ = [
+    "StepHolder",
+    "indexer_kv_dtype",
+    "layer_kind",
+    "make_workspace",
+    "manager_for",
+    "num_ubatches",
+    "reserve_and_report",
+    "ubatch_id",
+    "workspace_config",
+]
+
+MIB = 1 << 20
+
+# (id(vllm_config), id(model_key)) -> the model's workspace manager.
+_managers: dict[tuple[int, int], WorkspaceManager] = {}
+_managers_lock = threading.Lock()
+
+
+# --- micro-batches -------------------------------------------------------------------
+
+_UBATCHING: list[ModuleType | None] = []
+
+
+def ubatch_id() -> int:
+    """vLLM's ``dbo_current_ubatch_id()`` (0 on a vLLM without micro-batching).
+
+    The function is read from vLLM's module at every call (tests replace it
+    there); only the module import is cached."""
+    if not _UBATCHING:
+        try:
+            _UBATCHING.append(importlib.import_module("vllm.v1.worker.ubatching"))
+        except ImportError:
+            _UBATCHING.append(None)
+    module = _UBATCHING[0]
+    if module is None:
+        return 0
+    return int(module.dbo_current_ubatch_id())
+
+
+def num_ubatches(parallel_config: Any) -> int:
+    """Micro-batches vLLM runs per step: ``parallel_config.num_ubatches``
+    (2 with DBO, ``--ubatch-size`` otherwise) when micro-batching is on, else 1;
+    each gets its own workspace slots (``dbo_current_ubatch_id()``)."""
+    if not getattr(parallel_config, "use_ubatching", False):
+        return 1
+    return max(1, int(getattr(parallel_config, "num_ubatches", 2)))
+
+
+# --- the workspace config ------------------------------------------------------------
+
+
+def indexer_kv_dtype(vllm_config: Any) -> str:
+    """The indexer K cache dtype vLLM resolves (``fp8`` unless ``mxfp4``
+    is asked for); anything else is refused by vLLM's indexer (or the CPU
+    backend's checks) with its own message, so the workspace sizes for FP8."""
+    value = vllm_config.attention_config.resolve_indexer_kv_dtype("fp8")
+    return value if value in ("fp8", "mxfp4") else "fp8"
+
+
+def workspace_config(vllm_config: Any, layer: Any) -> WorkspaceConfig:
+    """The model's workspace config, from vLLM's config and the attributes of
+    its first attention layer (vLLM's ``DeepseekV4Attention`` on every
+    platform: ``max_num_batched_tokens``, ``n_local_heads``,
+    ``padded_heads``, ``head_dim``).
+
+    Both layers lease the attention output (``q.out``: vLLM allocated it per
+    layer and step); the padded q itself comes back from vLLM's fused
+    q-norm/RoPE/KV-insert kernel on both platforms (no output variant).
+    """
+    hf = vllm_config.model_config.hf_config
+    return WorkspaceConfig(
+        max_num_batched_tokens=int(layer.max_num_batched_tokens),
+        num_local_heads=int(layer.n_local_heads),
+        padded_q_heads=int(layer.padded_heads),
+        head_dim=int(layer.head_dim),
+        index_n_heads=int(hf.index_n_heads),
+        index_head_dim=int(hf.index_head_dim),
+        index_topk=int(hf.index_topk),
+        indexer_kv_dtype=indexer_kv_dtype(vllm_config),
+        num_ubatches=num_ubatches(vllm_config.parallel_config),
+        include_attn_out=True,
+        include_q=False,
+    )
+
+
+def make_workspace(
+    config: WorkspaceConfig, *, device: torch.device | str, streams: Any = None
+) -> WorkspaceManager:
+    """A workspace manager with the serving settings: policy, debug and the
+    test-only no-fence switch from :mod:`vllm_dsv4_backend.envs`."""
+    return WorkspaceManager(
+        config,
+        layers=[],
+        device=device,
+        streams=streams,
+        policy=envs.VLLM_DSV4_WORKSPACE,
+        debug=envs.VLLM_DSV4_WORKSPACE_DEBUG,
+        _unsafe_disable_fences_for_tests=not testing.fences_enabled(),
+    )
+
+
+def manager_for(
+    vllm_config: Any,
+    layer: Any,
+    model_key: object = None,
+    *,
+    streams: Any = None,
+) -> WorkspaceManager:
+    """The workspace of one model (one per ``(vllm_config, model_key)`` and
+    process: the main model, an MTP drafter or a DSpark draft each pass their
+    own ``model_key``), created by its first attention layer from
+    :func:`workspace_config`; every layer registers itself with
+    ``add_layer`` before it is reserved. ``streams``: the stream backend of a
+    new manager (called with the device; ``None``: the manager's default)."""
+    key = (id(vllm_config), id(model_key))
+    with _managers_lock:
+        manager = _managers.get(key)
+        if manager is None:
+            device = torch.device(vllm_config.device_config.device)
+            backend = streams(device) if streams is not None else None
+            manager = make_workspace(workspace_config(vllm_config, layer), device=device,
+                                     streams=backend)
+            _managers[key] = manager
+        return manager
+
+
+# --- reserve and report --------------------------------------------------------------
+
+
+def reserve_and_report(
+    workspace: WorkspaceManager, platform: str, memory_utilization: float | None = None
+) -> bool:
+    """Reserve ``workspace`` once (at load, before vLLM profiles memory) and
+    log ONE line for it: policy, bytes per family, layers and micro-batches.
+
+    ``private`` is refused here (``WorkspaceBudgetError``, with the bytes and
+    the alternatives) when one set of buffers per layer does not fit the
+    memory budget (:func:`~vllm_dsv4_backend.workspace.budget.reserve_budget_bytes`:
+    on CUDA what vLLM's ``memory_utilization`` share leaves, on CPU the
+    available memory). Returns True if this call reserved it.
+    """
+    if workspace.reserved:
+        return False
+    workspace.reserve(
+        budget_bytes=reserve_budget_bytes(workspace.device, memory_utilization)
+    )
+    stats = workspace.stats()
+    per_family = ", ".join(
+        f"{fam} {nbytes / MIB:.1f}" for fam, nbytes in stats["reserved_bytes_per_family"].items()
+        if nbytes
+    )
+    logger.info(
+        "vllm_dsv4_backend workspace (%s): policy %s, %.1f MiB reserved (%s MiB) for %d "
+        "layers, %d micro-batch(es), max_num_batched_tokens %d",
+        platform,
+        workspace.policy,
+        stats["reserved_bytes_total"] / MIB,
+        per_family or "none",
+        stats["num_layers"],
+        stats["num_ubatches"],
+        stats["max_num_batched_tokens"],
+    )
+    return True
+
+
+# --- the step holder -----------------------------------------------------------------
+
+
+class StepHolder:
+    """A layer's open :class:`~vllm_dsv4_backend.eager.Step` per micro-batch,
+    and the stream each was opened on (the step's home stream: vLLM's
+    default stream; producers on aux streams declare it as consumer).
+
+    :meth:`open` is the layer forward's ``with``: it opens the step for the
+    current micro-batch (``dbo_current_ubatch_id()``), and every hook the
+    forward reaches finds it with :meth:`current`. ``always_lookup=False``
+    skips the micro-batch lookup when the workspace has one micro-batch
+    (every step is then micro-batch 0); ``True`` asks vLLM every time, so a
+    micro-batch id beyond the reservation is refused by the workspace.
+    """
+
+    __slots__ = ("_homes", "_lookup", "_steps", "layer_name", "workspace")
+
+    def __init__(
+        self, workspace: WorkspaceManager, layer_name: str, *, always_lookup: bool = False
+    ) -> None:
+        self.workspace = workspace
+        self.layer_name = layer_name
+        self._lookup = always_lookup or workspace.config.num_ubatches > 1
+        self._steps: dict[int, eager.Step] = {}
+        self._homes: dict[int, Any] = {}
+
+    def _ubatch(self) -> int:
+        return ubatch_id() if self._lookup else 0
+
+    def current(self) -> eager.Step | None:
+        """The open step of the current micro-batch (``None`` outside one)."""
+        return self._steps.get(self._ubatch()) if self._steps else None
+
+    def home(self) -> Any:
+        """The stream the current micro-batch's step was opened on."""
+        return self._homes.get(self._ubatch()) if self._homes else None
+
+    @contextlib.contextmanager
+    def open(self, num_tokens: int) -> Iterator[eager.Step]:
+        """One forward's leases of this layer and micro-batch, all released
+        on exit (returned or raised)."""
+        ws = self.workspace
+        ubatch = self._ubatch()
+        with eager.Step(ws, self.layer_name, num_tokens, ubatch) as step:
+            self._steps[ubatch] = step
+            self._homes[ubatch] = ws.backend.current_stream()
+            try:
+                yield step
+            finally:
+                self._steps.pop(ubatch, None)
+                self._homes.pop(ubatch, None)
