@@ -771,3 +771,30 @@ def test_vllm_cpu_ignores_plugin_fallback_ops(monkeypatch: pytest.MonkeyPatch) -
     assert vllm_cpu.has_op()
     monkeypatch.setattr(vllm_cpu, "_lookup", lambda name: None)
     assert not vllm_cpu.has_op()
+
+
+def test_nonfinite_entry_of_one_row_does_not_spread_to_others() -> None:
+    # docs/correctness.md (found by the mod-4 sweep): an invalid entry (-1) reads a
+    # stand-in slot another row names; its score is masked, but 0 * NaN is NaN in
+    # p @ V. Row 1 names only finite slots: its output must equal row 1 run alone,
+    # as vLLM's C++ kernel keeps it.
+    torch.manual_seed(0)
+    cache = F.allocate_cache(1, 64, fill=0xFF)  # unwritten slots decode to NaN
+    F.quantize_and_insert(torch.randn(2, 512).bfloat16(), cache, torch.tensor([0, 1]))
+    q = torch.randn(2, 1, 8, 512).bfloat16()
+    idx = torch.tensor([[[0, 1, 5]], [[0, 1, -1]]], dtype=torch.int32)
+    out, _ = ops.sparse_mla_decode(q, cache, idx, None, None, 512**-0.5, kernel="torch")
+    alone, _ = ops.sparse_mla_decode(q[1:], cache, idx[1:], None, None, 512**-0.5,
+                                     kernel="torch")
+    assert torch.isnan(out[0]).all()  # row 0 named the NaN slot itself
+    assert torch.isfinite(out[1]).all()
+    assert torch.equal(out[1], alone[0])
+
+    kv = torch.randn(8, 1, 512).bfloat16()
+    kv[5] = float("nan")
+    qp = torch.randn(2, 8, 512).bfloat16()
+    pidx = torch.tensor([[[0, 1, 5]], [[0, 1, -1]]], dtype=torch.int32)
+    pout, _, _ = ops.sparse_mla_prefill(qp, kv, pidx, 512**-0.5, kernel="torch")
+    palone, _, _ = ops.sparse_mla_prefill(qp[1:], kv, pidx[1:], 512**-0.5, kernel="torch")
+    assert torch.isfinite(pout[1]).all()
+    assert torch.equal(pout[1], palone[0])

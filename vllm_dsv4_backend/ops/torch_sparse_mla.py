@@ -517,7 +517,8 @@ def sparse_mla_decode_torch(
             # ids = used slot ids, -1 where invalid; its min/max give the range check (only
             # -1 is invalid: any other id outside the cache is an error) and, when a valid
             # id exists, a named slot to read in place of the invalid entries, so unnamed
-            # (possibly NaN) slots are never touched and no K row needs zeroing.
+            # (possibly NaN) slots are never touched; the stand-in rows are zeroed after
+            # the gather (a named slot may still hold another row's non-finite entry).
             ids.copy_(idx_v)
             ids.masked_fill_(inv_v, -1)
             torch.amin(ids.view(-1), 0, out=minmax[0])
@@ -539,6 +540,11 @@ def sparse_mla_decode_torch(
                     ids.masked_fill_(inv_v, hi)
                 fp8_ds_mla.gather_dequant_into(k_part, cache, layout, ids, None, views=views[p],
                                                **g)
+                if lo == -1:
+                    # The stand-in slot is another row's: its score is masked, but
+                    # 0 * NaN is NaN in p @ V, so one request's non-finite entry would
+                    # poison the rows batched with it (vLLM's C++ kernel keeps them apart).
+                    k_part.masked_fill_(inv_v.unsqueeze(-1), 0.0)
             nseg, padded = sm.pad_tail(w)
             sm.update(nseg, lo == -1 or padded)
         acc = sm.finish(attn_sink, lse_chunk[: r * h].view(r, h) if need_lse else None)
@@ -746,6 +752,9 @@ def _prefill(
                 k_i = k_g.view(torch.int32)
                 k_i.copy_(rows_bf16[: r * w].view(r, w, D).view(torch.int16))
                 k_i.bitwise_left_shift_(16)
+                if lo < 0:
+                    # As in decode: a masked stand-in row must not carry NaN into p @ V.
+                    k_g.masked_fill_(inv.unsqueeze(-1), 0.0)
             nseg, padded = sm.pad_tail(w)
             sm.update(nseg, lo < 0 or padded)
         acc = sm.finish(attn_sink, lse_out[r0:r1])
