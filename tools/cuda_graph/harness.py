@@ -23,7 +23,9 @@ Modes: CPU ``eager`` (serial; aux streams None), ``private`` (policy),
 (vLLM's ``BreakableCUDAGraphCapture``: warm-up, capture per micro-batch with
 real metadata as MRV2 does, then replays), ``cuda-piecewise-gemm0`` (the
 same with ``VLLM_MULTI_STREAM_GEMM_TOKEN_THRESHOLD=0``: drives
-``GraphSafeCudaStreamBackend``'s dropped fences) and ``cuda-full``
+``GraphSafeCudaStreamBackend``'s dropped fences), ``cuda-piecewise-mrv1``
+(0.33: captured with ``attn_metadata=None`` as MRV1 does, replayed with
+metadata through the wide eager break) and ``cuda-full``
 (``torch.cuda.graph`` of the whole step, both micro-batches, forward-context
 mode FULL, replays). Leases per step expected (review §1c, 2 micro-batches):
 eager 30, piecewise 6 (the C4 top-k only), full 0 (``leases_as_expected``,
@@ -288,6 +290,8 @@ class Model:
                 raise ValueError("mrv1: this vLLM has no _prepare_and_attn_eager")
             self.layers.append(layer)
         self.ws = None
+        # MRV1 captures with attn_metadata None (a dummy run, review §1c).
+        self.dummy_metadata = False
         if impl == "plugin":
             self._attach(policy)
         self._build_metadata()
@@ -488,7 +492,8 @@ class Model:
         from vllm.v1.worker import ubatching
 
         ubatching._THREAD_ID_TO_CONTEXT[threading.get_ident()] = u
-        with set_forward_context(self.md[u], mode):
+        md = None if self.dummy_metadata else self.md[u]
+        with set_forward_context(md, mode):
             if meter is not None:
                 with meter.layer():
                     y = layer(self.positions[u], x)
@@ -564,9 +569,11 @@ def run_eager(model: Model, steps: int) -> dict[str, Any]:
             "allocations_by_op_step0": by_op}
 
 
-def run_piecewise(model: Model, steps: int) -> dict[str, Any]:
-    """vLLM MRV2 breakable PIECEWISE: warm-up, capture per micro-batch (with
-    real metadata) on a side stream, then replay every step."""
+def run_piecewise(model: Model, steps: int, capture_metadata: bool = True) -> dict[str, Any]:
+    """Breakable PIECEWISE: warm-up, capture per micro-batch on a side stream,
+    then replay every step. MRV2 captures with real metadata; MRV1
+    (``capture_metadata=False``, vLLM 0.33) with ``attn_metadata=None``, the
+    wide eager break ``_prepare_and_attn_eager`` then doing the work at replay."""
     from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
     from vllm.config import CUDAGraphMode
     from vllm.forward_context import set_forward_context
@@ -580,12 +587,16 @@ def run_piecewise(model: Model, steps: int) -> dict[str, Any]:
     side = torch.cuda.Stream(model.device)
     caps, static = [], []
     side.wait_stream(torch.cuda.current_stream(model.device))
-    with torch.cuda.stream(side):
-        for u in range(NUM_UBATCHES):
-            cap = BreakableCUDAGraphCapture(pool=pool)
-            with cap:
-                static.append(model.forward_ubatch(u, CUDAGraphMode.PIECEWISE))
-            caps.append(cap)
+    model.dummy_metadata = not capture_metadata
+    try:
+        with torch.cuda.stream(side):
+            for u in range(NUM_UBATCHES):
+                cap = BreakableCUDAGraphCapture(pool=pool)
+                with cap:
+                    static.append(model.forward_ubatch(u, CUDAGraphMode.PIECEWISE))
+                caps.append(cap)
+    finally:
+        model.dummy_metadata = False
     torch.cuda.synchronize()
     model.restore(snap)
     torch.cuda.synchronize()
@@ -772,8 +783,10 @@ def host_sync_lint(impl: str, seed: int) -> dict[str, int]:
 MODES_CPU = ("eager", "private", "mrv1")
 # Plugin leases per step at run/replay time (2 micro-batches; review §1c).
 EXPECTED_LEASES = {"eager": 30, "private": 30, "mrv1": 30, "cuda-eager": 30,
-                   "cuda-piecewise": 6, "cuda-piecewise-gemm0": 6, "cuda-full": 0}
-MODES_CUDA = ("cuda-eager", "cuda-piecewise", "cuda-piecewise-gemm0", "cuda-full")
+                   "cuda-piecewise": 6, "cuda-piecewise-gemm0": 6, "cuda-piecewise-mrv1": 6,
+                   "cuda-full": 0}
+MODES_CUDA = ("cuda-eager", "cuda-piecewise", "cuda-piecewise-gemm0", "cuda-piecewise-mrv1",
+              "cuda-full")
 
 
 def run_mode(mode: str, impl: str, where: torch.device, seed: int, steps: int
@@ -792,11 +805,13 @@ def run_mode(mode: str, impl: str, where: torch.device, seed: int, steps: int
         venvs.VLLM_MULTI_STREAM_GEMM_TOKEN_THRESHOLD = 0
     try:
         m = Model(impl, where, seed, policy=policy, aux_streams=mode.startswith("cuda"),
-                  mrv1=mode == "mrv1")
+                  mrv1=mode in ("mrv1", "cuda-piecewise-mrv1"))
         if mode in ("eager", "private", "mrv1", "cuda-eager"):
             res = run_eager(m, steps)
         elif mode in ("cuda-piecewise", "cuda-piecewise-gemm0"):
             res = run_piecewise(m, steps)
+        elif mode == "cuda-piecewise-mrv1":
+            res = run_piecewise(m, steps, capture_metadata=False)
         elif mode == "cuda-full":
             res = run_full(m, steps)
         else:
@@ -833,7 +848,7 @@ def run_all(modes: list[str] | None = None, steps: int = 3, device: str | None =
     version = vllm.__version__
     has_mrv1 = version.startswith("0.33.")
     cpu_modes = [m for m in MODES_CPU if m != "mrv1" or has_mrv1]
-    cuda_modes = list(MODES_CUDA)
+    cuda_modes = [m for m in MODES_CUDA if m != "cuda-piecewise-mrv1" or has_mrv1]
     if modes is None:
         modes = cpu_modes + (cuda_modes if dev.type == "cuda" else [])
     report: dict[str, Any] = {"vllm": version, "stub": os.path.dirname(vllm.__file__),

@@ -246,7 +246,10 @@ class IndexerOp:
                  weights: torch.Tensor) -> torch.Tensor:
         from vllm.forward_context import get_forward_context
 
-        md = get_forward_context().attn_metadata[self.k_cache.prefix]
+        attn_metadata = get_forward_context().attn_metadata
+        if not isinstance(attn_metadata, dict):
+            return self.topk_indices_buffer  # a dummy run (MRV1's capture): nothing to score
+        md = attn_metadata[self.k_cache.prefix]
         q = q_quant[0] if isinstance(q_quant, tuple) else q_quant
         nap(q)
         with kernel_region():
