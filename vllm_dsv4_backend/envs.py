@@ -26,13 +26,14 @@ Variables:
     ``auto`` picks FlashMLA on CUDA and the C++ kernels (else torch) on CPU.
 ``VLLM_DSV4_ATTN_IMPL`` = ``auto`` (default) | ``plugin`` | ``vllm``
     Which DeepSeek-V4 attention layer the model builds: ``plugin`` installs the
-    plugin's layer (error if it is not available), ``vllm`` keeps vLLM's own
-    (``DeepseekV4CPUAttention`` on CPU, for comparison), ``auto`` takes the
-    plugin's layer when ``vllm_dsv4_backend.layer.get_attention_layer_cls``
-    returns one for the platform and vLLM's otherwise (a missing module, or
-    ``NotImplementedError`` from that function, logged as a warning).
+    plugin's layer and makes any reason not to (an unsupported vLLM version or
+    platform, a changed hook point or copied body) a startup error; ``vllm``
+    keeps vLLM's own (for comparison); ``auto`` takes the plugin's layer where
+    it is supported and otherwise stands aside with one ERROR line, vLLM
+    serving every model with its own layer.
 ``VLLM_DSV4_SKIP_VERSION_CHECK`` = ``0`` (default) | ``1``
-    Run on a vLLM version other than 0.32.x / 0.33.x (logged as a warning).
+    Load on a vLLM minor version the plugin does not know (not 0.32 / 0.33 /
+    0.34; logged as a warning) instead of standing aside.
 ``VLLM_DSV4_DUMMY_INIT`` = ``1`` (default) | ``0``
     Honour the ``vllm_dsv4_dummy_init`` marker of a model's ``config.json``
     under ``--load-format dummy`` (seeded fan-in weights); ``0`` keeps vLLM's
