@@ -44,13 +44,74 @@ def test_one_layer_kind():
 @pytest.mark.parametrize(("asked", "want"), [("fp8", "fp8"), ("mxfp4", "mxfp4"),
                                              ("bf16", "fp8")])
 def test_workspace_config_from_vllm_config(asked, want):
-    cfg = core.workspace_config(_vllm_config(asked, ubatching=True), _layer())
+    cfg = core.workspace_config(_vllm_config(asked, ubatching=True), _layer(), "cuda")
     assert (cfg.max_num_batched_tokens, cfg.num_local_heads, cfg.padded_q_heads,
             cfg.head_dim) == (16, 4, 8, 32)
     assert (cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk) == (4, 64, 8)
     assert cfg.indexer_kv_dtype == want
     assert cfg.num_ubatches == 3
     assert [s.name for s in cfg.family_buffers("q")] == ["out"]
+    assert cfg.lease_plan == core.lease_plan("cuda", want)
+
+
+def _reserved(cfg: sizing.WorkspaceConfig) -> dict[str, dict[str, list[str]]]:
+    return {kind: {f: [s.name for s in cfg.family_buffers(f)] for f in cfg.layer_families(r)}
+            for kind, r in (("swa", 0), ("c4", 4), ("c128", 128))}
+
+
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+@pytest.mark.parametrize("dtype", ["fp8", "mxfp4"])
+def test_lease_plan_is_what_sizing_reserves(platform, dtype):
+    """The workspace reserves exactly the plan's (family, view) pairs: no
+    ``topk.local`` (both layers write vLLM's topk_indices_buffer), no padded
+    q (vLLM's fused q-norm/RoPE kernel returns its own), compressor scratch
+    only for CUDA's C128 layers, MXFP4 scales only under MXFP4."""
+    vc = _vllm_config(dtype)
+    cfg = core.workspace_config(vc, _layer(), platform)
+    indexer_q = ["q", "weights"] if dtype == "fp8" else ["q", "scales", "weights"]
+    topk = ["global"] if (platform, dtype) == ("cpu", "fp8") else ["global", "lens"]
+    want = {"swa": {"q": ["out"]},
+            "c4": {"q": ["out"], "indexer_q": indexer_q, "topk": topk},
+            "c128": {"q": ["out"]}}
+    if platform == "cuda":
+        want["c128"]["compressor"] = ["scratch"]
+    assert _reserved(cfg) == want
+    no_plan = sizing.WorkspaceConfig(max_num_batched_tokens=16, num_local_heads=4,
+                                     padded_q_heads=8, indexer_kv_dtype=dtype)
+    assert [s.name for s in no_plan.family_buffers("topk")] == ["local", "global", "lens"]
+    assert no_plan.layer_families(4) == sizing.FAMILIES
+
+
+def test_lease_plan_refuses_unknown_names():
+    with pytest.raises(ValueError, match="platform"):
+        core.lease_plan("tpu", "fp8")
+    with pytest.raises(ValueError, match="unknown family"):
+        sizing.LeasePlan({"c4": {"kv": ("q",)}})
+    with pytest.raises(ValueError, match="views"):
+        sizing.LeasePlan({"c4": {"topk": ("idx",)}})
+    with pytest.raises(ValueError, match="one kind and"):
+        sizing.LeasePlan({"c4": {"q": ("out",)}, "swa": {"q": ("q", "out")}})
+
+
+def test_sizing_table_sizes_the_plans(capsys):
+    """At 8192 tokens (TP 1) the plan drops what no layer leases: under
+    ``shared`` CUDA keeps C128's compressor scratch, CPU reserves none, and
+    neither reserves ``topk.local``; the #49236 pool is 548 MiB."""
+    mib = sizing.MIB
+    rows = {p: sizing.memory_table(tp_sizes=(1,), policies=("shared",),
+                                   lease_plans={d: core.lease_plan(p, d)
+                                                for d in sizing.INDEXER_KV_DTYPES})
+            for p in ("cpu", "cuda")}
+    old = sizing.memory_table(tp_sizes=(1,), policies=("shared",))
+    for p, rs in rows.items():
+        for r, o in zip(rs, old, strict=True):
+            assert round(r["pool49236"] / mib) == 548
+            lens = 8192 * 4 if (p, r["indexer"]) == ("cpu", "fp8") else 0
+            assert r["topk"] == o["topk"] - 8192 * 512 * 4 - lens
+            assert r["compressor"] == (8192 * 512 * 4 if p == "cuda" else 0)
+    sizing.main(["--tp", "1"])
+    out = capsys.readouterr().out
+    assert "cpu: the layer's lease plan" in out and "cuda: the layer's lease plan" in out
 
 
 def test_num_ubatches():
@@ -62,17 +123,17 @@ def test_num_ubatches():
 def test_registry_one_manager_per_model_and_key(monkeypatch):
     monkeypatch.setattr(core, "_managers", {})
     vc = _vllm_config()
-    a = core.manager_for(vc, _layer())
-    assert core.manager_for(vc, _layer()) is a
+    a = core.manager_for(vc, _layer(), "cpu")
+    assert core.manager_for(vc, _layer(), "cpu") is a
     key = object()
-    b = core.manager_for(vc, _layer(), key)
-    assert b is not a and core.manager_for(vc, _layer(), key) is b
-    assert core.manager_for(_vllm_config(), _layer()) is not a
+    b = core.manager_for(vc, _layer(), "cpu", key)
+    assert b is not a and core.manager_for(vc, _layer(), "cpu", key) is b
+    assert core.manager_for(_vllm_config(), _layer(), "cpu") is not a
 
 
 def test_reserve_and_report_logs_once(monkeypatch, caplog):
     monkeypatch.setattr(core, "_managers", {})
-    ws = core.manager_for(_vllm_config("mxfp4"), _layer())
+    ws = core.manager_for(_vllm_config("mxfp4"), _layer(), "cpu")
     ws.add_layer("layers.0", 4)
     ws.add_layer("layers.1", 128)
     caplog.set_level(logging.INFO, logger="vllm_dsv4_backend")
@@ -86,7 +147,7 @@ def test_reserve_and_report_logs_once(monkeypatch, caplog):
 
 def test_step_holder_per_micro_batch(monkeypatch):
     monkeypatch.setattr(core, "_managers", {})
-    ws = core.manager_for(_vllm_config(ubatching=True), _layer())
+    ws = core.manager_for(_vllm_config(ubatching=True), _layer(), "cpu")
     ws.add_layer("layers.0", 0)
     ws.reserve()
     ids = [0]

@@ -227,7 +227,7 @@ class Model:
     (``cuda.make_workspace``: policy and the no-fence switch from envs) and
     the choreography driver."""
 
-    def __init__(self, indexer_dtype: str, seed: int) -> None:
+    def __init__(self, indexer_dtype: str, seed: int, plan: Any = None) -> None:
         g = torch.Generator().manual_seed(seed)
         self.rng = random.Random(seed)
         # DBO's micro-batches share the compute (default) stream and the model's
@@ -240,7 +240,7 @@ class Model:
         cfg = WorkspaceConfig(max_num_batched_tokens=MNBT, num_local_heads=N_LOCAL,
                               padded_q_heads=HP, head_dim=D, index_topk=K,
                               indexer_kv_dtype=indexer_dtype, num_ubatches=NUM_UBATCHES,
-                              include_attn_out=True, include_q=False)
+                              include_attn_out=True, include_q=False, lease_plan=plan)
         self.ws = cuda.make_workspace(cfg, device="cpu", streams=self.sim)
         self.topk_buf = torch.full((MNBT, K), -1, dtype=torch.int32)
         self.kernels = TorchKernels(self.checks, lambda: self.current_tag)
@@ -459,3 +459,40 @@ def test_dummy_run_reserves_and_writes_nothing(ubatch_ids, monkeypatch):
     assert stats["leases_total"] == before + 1
     assert stats["leased_bytes_now"] == 0
     assert out.untyped_storage().data_ptr() == storage.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("indexer_dtype", ["fp8", "mxfp4"])
+def test_leases_are_the_lease_plan(ubatch_ids, monkeypatch, indexer_dtype):
+    """``core.LEASE_PLAN["cuda"]`` is what the layer's code leases: every
+    planned (kind, family, view) the dtype has is used and nothing else, and
+    the workspace built with the plan reserves exactly those views (no
+    ``topk.local``, no C4 compressor scratch)."""
+    from vllm_dsv4_backend.layer import core
+    from vllm_dsv4_backend.workspace import FAMILIES
+    from vllm_dsv4_backend.workspace.manager import Lease
+
+    monkeypatch.delenv("VLLM_DSV4_TEST_UNSAFE_NO_FENCES", raising=False)
+    monkeypatch.setenv("VLLM_DSV4_WORKSPACE", "shared")
+    kinds = {prefix: core.layer_kind(ratio) for prefix, ratio in LAYERS}
+    taken: set[tuple[str, str, str]] = set()
+    getitem = Lease.__getitem__
+
+    def spy(self: Lease, name: str) -> torch.Tensor:
+        taken.add((kinds[self.layer_name], self.family, name))
+        return getitem(self, name)
+
+    monkeypatch.setattr(Lease, "__getitem__", spy)
+    plan = core.lease_plan("cuda", indexer_dtype)
+    model = Model(indexer_dtype, seed=5, plan=plan)
+    ubatch_ids.append(model)
+    model.build()
+    assert model.execute(range(10)) == []
+    cfg = model.ws.config
+    planned = {(k, f, v) for k, f, v in plan.pairs()
+               if v in {s.name for s in cfg.family_buffers(f)}}
+    assert taken == planned, (taken - planned, planned - taken)
+    reserved = {(f, s.name) for f in FAMILIES for s in cfg.family_buffers(f)
+                if any(f in cfg.layer_families(r) for _, r in LAYERS)}
+    assert reserved == {(f, v) for _, f, v in planned}
+    assert ("topk", "local") not in reserved
+    assert cfg.layer_families(4) == ("q", "indexer_q", "topk")

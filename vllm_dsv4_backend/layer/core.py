@@ -7,6 +7,9 @@ vLLM 0.33 / 0.34) are each vLLM's layer for their platform plus the
 workspace; everything about the workspace that does not depend on the
 platform lives here, once:
 
+* the lease plan (:data:`LEASE_PLAN`): the (family, view) pairs each
+  platform's layer leases, per indexer dtype and layer kind, declared once;
+  the workspace reserves exactly those (:func:`lease_plan`);
 * the :class:`~vllm_dsv4_backend.workspace.WorkspaceConfig` built from the
   vLLM config and the layer's own attributes (:func:`workspace_config`),
   with the indexer-dtype clamp (:func:`indexer_kv_dtype`) and vLLM's
@@ -40,13 +43,16 @@ from vllm_dsv4_backend._logging import init_logger
 from vllm_dsv4_backend.formats.constants import layer_kind
 from vllm_dsv4_backend.workspace import WorkspaceConfig, WorkspaceManager
 from vllm_dsv4_backend.workspace.budget import reserve_budget_bytes
+from vllm_dsv4_backend.workspace.sizing import LeasePlan
 
 logger = init_logger(__name__)
 
 __all__ = [
+    "LEASE_PLAN",
     "StepHolder",
     "indexer_kv_dtype",
     "layer_kind",
+    "lease_plan",
     "make_workspace",
     "manager_for",
     "num_ubatches",
@@ -60,6 +66,58 @@ MIB = 1 << 20
 # (id(vllm_config), id(model_key)) -> the model's workspace manager.
 _managers: dict[tuple[int, int], WorkspaceManager] = {}
 _managers_lock = threading.Lock()
+
+
+# --- the lease plan ------------------------------------------------------------------
+
+# The indexer q: values, MXFP4's ue8m0 scales (FP8 has no scales view, so
+# nothing is reserved for it there) and the head weights; written by the
+# platform's q-quant kernel on both platforms.
+_INDEXER_Q = ("q", "scales", "weights")
+
+# platform -> indexer K cache dtype -> layer kind -> family -> views: what
+# each layer really leases (tests/cuda/test_layer_streams.py and
+# tests/vllm/test_lease_plan_served.py compare it with the leases taken).
+# Neither layer leases ``topk.local``: both write the local ids into vLLM's
+# model-wide ``topk_indices_buffer``. Every layer leases ``q.out`` (vLLM's
+# per-layer attention output); the padded q comes back from vLLM's fused
+# q-norm/RoPE/KV-insert kernel (no output argument) on both platforms.
+LEASE_PLAN: dict[str, dict[str, dict[str, dict[str, tuple[str, ...]]]]] = {
+    # CPU: topk.global is the page-id output topk_transform_512_cpu must
+    # write (FP8) or the plugin's MXFP4 top-k's global ids, with lens; the
+    # compressors' state goes to vLLM's caches (no scratch on CPU).
+    "cpu": {
+        "fp8": {
+            "swa": {"q": ("out",)},
+            "c4": {"q": ("out",), "indexer_q": _INDEXER_Q, "topk": ("global",)},
+            "c128": {"q": ("out",)},
+        },
+        "mxfp4": {
+            "swa": {"q": ("out",)},
+            "c4": {"q": ("out",), "indexer_q": _INDEXER_Q, "topk": ("global", "lens")},
+            "c128": {"q": ("out",)},
+        },
+    },
+    # CUDA: C4 decode's global top-k and lengths through vLLM's kernel
+    # object; C128's compressor fp32 scratch (C4's compressors allocate
+    # nothing the plugin replaces).
+    "cuda": dict.fromkeys(("fp8", "mxfp4"), {
+        "swa": {"q": ("out",)},
+        "c4": {"q": ("out",), "indexer_q": _INDEXER_Q, "topk": ("global", "lens")},
+        "c128": {"q": ("out",), "compressor": ("scratch",)},
+    }),
+}
+
+
+def lease_plan(platform: str, indexer_kv_dtype: str) -> LeasePlan:
+    """The :data:`LEASE_PLAN` of ``platform``'s layer for ``indexer_kv_dtype``."""
+    try:
+        return LeasePlan(LEASE_PLAN[platform][indexer_kv_dtype])
+    except KeyError:
+        raise ValueError(
+            f"lease plan: expected a platform in {sorted(LEASE_PLAN)} and an indexer dtype in "
+            f"{sorted(LEASE_PLAN['cuda'])}, got {platform!r}, {indexer_kv_dtype!r}"
+        ) from None
 
 
 # --- micro-batches -------------------------------------------------------------------
@@ -103,17 +161,16 @@ def indexer_kv_dtype(vllm_config: Any) -> str:
     return value if value in ("fp8", "mxfp4") else "fp8"
 
 
-def workspace_config(vllm_config: Any, layer: Any) -> WorkspaceConfig:
+def workspace_config(vllm_config: Any, layer: Any, platform: str) -> WorkspaceConfig:
     """The model's workspace config, from vLLM's config and the attributes of
     its first attention layer (vLLM's ``DeepseekV4Attention`` on every
     platform: ``max_num_batched_tokens``, ``n_local_heads``,
     ``padded_heads``, ``head_dim``).
 
-    Both layers lease the attention output (``q.out``: vLLM allocated it per
-    layer and step); the padded q itself comes back from vLLM's fused
-    q-norm/RoPE/KV-insert kernel on both platforms (no output variant).
+    It reserves exactly ``platform``'s :data:`LEASE_PLAN`.
     """
     hf = vllm_config.model_config.hf_config
+    dtype = indexer_kv_dtype(vllm_config)
     return WorkspaceConfig(
         max_num_batched_tokens=int(layer.max_num_batched_tokens),
         num_local_heads=int(layer.n_local_heads),
@@ -122,10 +179,9 @@ def workspace_config(vllm_config: Any, layer: Any) -> WorkspaceConfig:
         index_n_heads=int(hf.index_n_heads),
         index_head_dim=int(hf.index_head_dim),
         index_topk=int(hf.index_topk),
-        indexer_kv_dtype=indexer_kv_dtype(vllm_config),
+        indexer_kv_dtype=dtype,
         num_ubatches=num_ubatches(vllm_config.parallel_config),
-        include_attn_out=True,
-        include_q=False,
+        lease_plan=lease_plan(platform, dtype),
     )
 
 
@@ -148,6 +204,7 @@ def make_workspace(
 def manager_for(
     vllm_config: Any,
     layer: Any,
+    platform: str,
     model_key: object = None,
     *,
     streams: Any = None,
@@ -164,8 +221,8 @@ def manager_for(
         if manager is None:
             device = torch.device(vllm_config.device_config.device)
             backend = streams(device) if streams is not None else None
-            manager = make_workspace(workspace_config(vllm_config, layer), device=device,
-                                     streams=backend)
+            manager = make_workspace(workspace_config(vllm_config, layer, platform),
+                                     device=device, streams=backend)
             _managers[key] = manager
         return manager
 

@@ -173,7 +173,7 @@ def workspace_manager_for(vllm_config: Any, layer: DSV4CPUAttention) -> Workspac
     :func:`.core.manager_for`), created by its first attention layer; every
     layer registers itself before load ends. The model's step tables
     (:class:`_StepTables`) come with it."""
-    manager = core.manager_for(vllm_config, layer)
+    manager = core.manager_for(vllm_config, layer, "cpu")
     _step_tables.setdefault(id(manager), _StepTables())
     return manager
 

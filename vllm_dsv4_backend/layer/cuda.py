@@ -213,7 +213,8 @@ def workspace_manager_for(
     each has its own aux streams and top-k buffer, ``model_key``), created by
     its first attention layer (:func:`.core.manager_for`, graph-safe CUDA
     streams); reserved when the layers' weights are loaded."""
-    return core.manager_for(vllm_config, layer, model_key, streams=_graph_safe_streams)
+    return core.manager_for(vllm_config, layer, "cuda", model_key,
+                            streams=_graph_safe_streams)
 
 
 def _owner(module: Any) -> DSV4FlashMLAAttention | None:

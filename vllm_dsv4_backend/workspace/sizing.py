@@ -33,13 +33,15 @@ Within a family's region each view starts at a 256-byte aligned offset
 Layer types follow vLLM's ``compress_ratio``: 0 or 1 = sliding-window only,
 4 = C4 (compressor + lightning indexer), 128 = C128 (compressed without
 indexer); any other ratio is refused (``formats.constants.layer_kind``).
+A ``LeasePlan`` narrows this to what a platform's layer really leases.
 
 Policies (see ``manager.py``): ``shared`` reserves ``shared_slots`` slots per
 family and micro-batch, used by every layer in turn behind stream fences;
 ``private`` reserves one slot per layer, family and micro-batch; ``off``
 reserves nothing (plain allocator).
 
-``python -m vllm_dsv4_backend.workspace.sizing`` prints the README's table.
+``python -m vllm_dsv4_backend.workspace.sizing`` prints the README's table:
+each platform's lease plan (``layer.core.LEASE_PLAN``) beside #49236's pool.
 """
 
 from __future__ import annotations
@@ -116,10 +118,68 @@ _FAMILIES_OF_KIND: dict[str, tuple[str, ...]] = {
     "c128": ("q", "compressor"),
 }
 
+# Every view a family can have (which exist also depends on the indexer dtype
+# and, without a lease plan, on include_q / include_attn_out).
+FAMILY_VIEWS: dict[str, tuple[str, ...]] = {
+    "q": ("q", "out"),
+    "indexer_q": ("q", "scales", "weights"),
+    "topk": ("local", "global", "lens"),
+    "compressor": ("scratch",),
+}
+
 
 def layer_families(compress_ratio: int) -> tuple[str, ...]:
-    """Families a layer with this compress ratio may lease."""
+    """Families a layer with this compress ratio may lease without a lease
+    plan (every family its kind can use; see ``WorkspaceConfig.layer_families``)."""
     return _FAMILIES_OF_KIND[layer_kind(compress_ratio)]
+
+
+@dataclasses.dataclass(frozen=True)
+class LeasePlan:
+    """The (family, view) pairs a platform's layer really leases, per layer
+    kind: ``kinds[kind][family]`` = the views. Sizing reserves exactly these
+    (``WorkspaceConfig.lease_plan``); a view the indexer dtype does not have
+    (``scales`` under FP8) is simply not reserved. The plans themselves are
+    declared next to the layers (``vllm_dsv4_backend.layer.core.LEASE_PLAN``).
+    """
+
+    kinds: Mapping[str, Mapping[str, tuple[str, ...]]]
+
+    def __post_init__(self) -> None:
+        views_of: dict[str, tuple[str, ...]] = {}
+        for kind, fams in self.kinds.items():
+            if kind not in _FAMILIES_OF_KIND:
+                raise ValueError(f"lease plan: unknown layer kind {kind!r}; "
+                                 f"expected one of {tuple(_FAMILIES_OF_KIND)}")
+            for fam, views in fams.items():
+                if fam not in FAMILIES:
+                    raise ValueError(f"lease plan: unknown family {fam!r}; expected one of "
+                                     f"{FAMILIES}")
+                bad = [v for v in views if v not in FAMILY_VIEWS[fam]]
+                if bad or not views:
+                    raise ValueError(f"lease plan: family {fam!r} views {views!r}; expected a "
+                                     f"non-empty subset of {FAMILY_VIEWS[fam]}")
+                if views_of.setdefault(fam, tuple(views)) != tuple(views):
+                    raise ValueError(f"lease plan: family {fam!r} has views "
+                                     f"{views_of[fam]} in one kind and {views} in another "
+                                     "(a family's slots are shared between kinds)")
+
+    def families(self, kind: str) -> tuple[str, ...]:
+        """Families layers of ``kind`` lease, in storage order."""
+        fams = self.kinds.get(kind, {})
+        return tuple(f for f in FAMILIES if f in fams)
+
+    def views(self, family: str) -> tuple[str, ...]:
+        """Views of ``family`` any kind leases (empty if none)."""
+        for fams in self.kinds.values():
+            if family in fams:
+                return tuple(fams[family])
+        return ()
+
+    def pairs(self) -> frozenset[tuple[str, str, str]]:
+        """Every planned ``(kind, family, view)``."""
+        return frozenset((k, f, v) for k, fams in self.kinds.items()
+                         for f, views in fams.items() for v in views)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +231,10 @@ class WorkspaceConfig:
             the platform's fused q-norm/RoPE kernel returns its own q, as
             vLLM's CPU ``fused_qnorm_rope_kv_insert_cpu`` does; then the
             family holds only ``out``).
+        lease_plan: the (family, view) pairs the platform's layer leases per
+            layer kind (``LeasePlan``); when given it alone decides the
+            families and views reserved (``include_*`` are then ignored).
+            ``None``: every family of every kind, views by ``include_*``.
     """
 
     max_num_batched_tokens: int
@@ -185,6 +249,7 @@ class WorkspaceConfig:
     num_ubatches: int = 1
     include_attn_out: bool = False
     include_q: bool = True
+    lease_plan: LeasePlan | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -200,7 +265,7 @@ class WorkspaceConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
-        if not (self.include_q or self.include_attn_out):
+        if self.lease_plan is None and not (self.include_q or self.include_attn_out):
             raise ValueError("include_q / include_attn_out: the q family needs at least one")
         if self.padded_q_heads < self.num_local_heads:
             raise ValueError(
@@ -235,6 +300,7 @@ class WorkspaceConfig:
         kernel: str = "flashmla",
         include_attn_out: bool = False,
         include_q: bool = True,
+        lease_plan: LeasePlan | None = None,
     ) -> WorkspaceConfig:
         """Build the config from a DeepSeek-V4 HF config (object or dict).
 
@@ -281,17 +347,31 @@ class WorkspaceConfig:
             num_ubatches=num_ubatches,
             include_attn_out=include_attn_out,
             include_q=include_q,
+            lease_plan=lease_plan,
         )
 
     def layer_families(self, compress_ratio: int) -> tuple[str, ...]:
-        """Families a layer with this compress ratio leases."""
-        return layer_families(compress_ratio)
+        """Families a layer with this compress ratio leases (the lease plan's,
+        else every family its kind can use)."""
+        if self.lease_plan is None:
+            return layer_families(compress_ratio)
+        return self.lease_plan.families(layer_kind(compress_ratio))
 
     def family_buffers(self, family: str) -> tuple[BufferSpec, ...]:
         """The views of ``family`` (see the module docstring for layouts)."""
+        specs = self._all_family_buffers(family)
+        if self.lease_plan is None:
+            return specs
+        planned = self.lease_plan.views(family)
+        return tuple(s for s in specs if s.name in planned)
+
+    def _all_family_buffers(self, family: str) -> tuple[BufferSpec, ...]:
         hp, d = self.padded_q_heads, self.head_dim
         hi, di, k = self.index_n_heads, self.index_head_dim, self.index_topk
         if family == "q":
+            if self.lease_plan is not None:
+                return (BufferSpec("q", (hp, d), torch.bfloat16),
+                        BufferSpec("out", (hp, d), torch.bfloat16))
             specs = [BufferSpec("q", (hp, d), torch.bfloat16)] if self.include_q else []
             if self.include_attn_out:
                 specs.append(BufferSpec("out", (hp, d), torch.bfloat16))
@@ -470,12 +550,16 @@ def memory_table(
     num_ubatches: int = 1,
     kernel: str = "flashmla",
     shared_slots: int = 1,
+    lease_plans: Mapping[str, LeasePlan] | None = None,
 ) -> list[dict[str, Any]]:
     """Rows of reserved bytes per family and total, beside the #49236 pool.
 
     One row per (tp, indexer dtype, policy) for ``hf_config`` (default:
-    DeepSeek-V4-Flash). Keys: ``tp``, ``local_heads``, ``padded_heads``,
-    ``indexer``, ``policy``, ``q``, ``indexer_q``, ``topk``, ``compressor``,
+    DeepSeek-V4-Flash). ``lease_plans``: the plan per indexer dtype a
+    platform's layer leases (``layer.core.lease_plan``); ``None``: every
+    family of every layer kind with the padded q (the pre-plan sizing).
+    Keys: ``tp``, ``local_heads``, ``padded_heads``, ``indexer``, ``policy``,
+    ``q``, ``indexer_q``, ``topk``, ``compressor``,
     ``total`` (bytes), ``pool49236`` (bytes, q + aux) and ``ratio``
     (total / pool49236).
     """
@@ -490,6 +574,7 @@ def memory_table(
                 indexer_kv_dtype=dt,
                 num_ubatches=num_ubatches,
                 kernel=kernel,
+                lease_plan=None if lease_plans is None else lease_plans[dt],
             )
             pool = pool49236_bytes(cfg)["total"]
             for p in policies:
@@ -544,21 +629,35 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--ubatches", type=int, default=1)
     ap.add_argument("--kernel", choices=KERNELS, default="flashmla")
     ap.add_argument("--shared-slots", type=int, default=1)
+    ap.add_argument("--platform", nargs="+", choices=("cuda", "cpu", "all-families"),
+                    default=["cuda", "cpu"],
+                    help="whose lease plan to size (all-families: every family of every "
+                         "layer kind with the padded q, the sizing before lease plans)")
     a = ap.parse_args(argv)
-    rows = memory_table(
-        tp_sizes=a.tp,
-        max_num_batched_tokens=a.tokens,
-        num_ubatches=a.ubatches,
-        kernel=a.kernel,
-        shared_slots=a.shared_slots,
-    )
+    # The plans are declared next to the layers; layer.core imports no vLLM.
+    from vllm_dsv4_backend.layer import core
+
     print(
         f"DeepSeek-V4-Flash, T={a.tokens}, micro-batches={a.ubatches}, kernel={a.kernel}, "
         f"shared slots={a.shared_slots}; MiB reserved at load (off: allocator, nothing "
         "reserved). #49236 pool = padded q + max(aux families), no DBO."
     )
-    print()
-    print(format_memory_table(rows))
+    for platform in a.platform:
+        plans = None if platform == "all-families" else {
+            dt: core.lease_plan(platform, dt) for dt in INDEXER_KV_DTYPES}
+        rows = memory_table(
+            tp_sizes=a.tp,
+            max_num_batched_tokens=a.tokens,
+            num_ubatches=a.ubatches,
+            kernel=a.kernel,
+            shared_slots=a.shared_slots,
+            lease_plans=plans,
+        )
+        print()
+        print(f"{platform}: " + ("every family, padded q" if plans is None else
+                                 "the layer's lease plan (layer.core.LEASE_PLAN)"))
+        print()
+        print(format_memory_table(rows))
 
 
 if __name__ == "__main__":

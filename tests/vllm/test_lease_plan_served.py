@@ -1,0 +1,102 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The CPU layer's lease plan (``layer.core.LEASE_PLAN["cpu"]``) against the
+leases it really takes while serving the tiny model in-process: a prompt
+longer than 4 x index_topk (so the lightning indexer's real top-k runs, not
+the short-context fill), then decode. Every planned (kind, family, view) the
+indexer dtype has is used, nothing else is, and the workspace reserves
+exactly the planned views.
+
+The engine runs in a subprocess (this file as a script, in-process engine)
+whose ``Lease.__getitem__`` records each view a layer reads or writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ROOT / "configs" / "tiny-dsv4"
+
+
+def _worker(dtype: str, out_path: str) -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_DSV4_ATTN_IMPL"] = "plugin"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.plugins import load_general_plugins
+
+    from vllm_dsv4_backend.formats.constants import layer_kind
+    from vllm_dsv4_backend.layer import core
+    from vllm_dsv4_backend.workspace import FAMILIES
+    from vllm_dsv4_backend.workspace.manager import Lease
+
+    taken: set[tuple[str, str, str]] = set()
+    getitem = Lease.__getitem__
+
+    def spy(self, name):
+        taken.add((layer_kind(self._manager.layers[self.layer_name]), self.family, name))
+        return getitem(self, name)
+
+    Lease.__getitem__ = spy
+    load_general_plugins()
+    engine = {"attention_config": {"use_fp4_indexer_cache": True}} if dtype == "mxfp4" else {}
+    cfg = json.loads((MODEL / "config.json").read_text())
+    llm = LLM(model=str(MODEL), load_format="dummy", tokenizer_mode="hf", kv_cache_dtype="fp8",
+              enforce_eager=True, max_model_len=4096, max_num_batched_tokens=4096, seed=0,
+              attention_backend="FLASHMLA_SPARSE_DSV4", **engine)
+    n = 4 * int(cfg["index_topk"]) + 150
+    vocab = int(cfg["vocab_size"])
+    prompts = [TokensPrompt(prompt_token_ids=[(7 * i) % (vocab - 10) + 3 for i in range(n)]),
+               TokensPrompt(prompt_token_ids=list(range(3, 40)))]
+    llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0),
+                 use_tqdm=False)
+    managers = list(core._managers.values())
+    ws = managers[0]
+    c = ws.config
+    plan = core.lease_plan("cpu", c.indexer_kv_dtype)
+    report = {
+        "managers": len(managers),
+        "indexer_kv_dtype": c.indexer_kv_dtype,
+        "taken": sorted(taken),
+        "planned": sorted((k, f, v) for k, f, v in plan.pairs()
+                          if v in {s.name for s in c.family_buffers(f)}),
+        "reserved": sorted({(f, s.name) for f in FAMILIES for s in c.family_buffers(f)
+                            if any(f in c.layer_families(r) for r in ws.layers.values())}),
+        "per_family": ws.stats()["reserved_bytes_per_family"],
+    }
+    Path(out_path).write_text(json.dumps(report))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2])
+
+
+pytest.importorskip("vllm")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp8", "mxfp4"])
+def test_served_leases_are_the_lease_plan(dtype, tmp_path):
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, __file__, dtype, str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=1500,
+                          env={**os.environ, "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "1500"})
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["managers"] == 1 and r["indexer_kv_dtype"] == dtype
+    taken = {tuple(t) for t in r["taken"]}
+    planned = {tuple(t) for t in r["planned"]}
+    assert taken == planned, (taken - planned, planned - taken)
+    assert {tuple(t) for t in r["reserved"]} == {(f, v) for _, f, v in planned}
+    assert r["per_family"]["compressor"] == 0  # the CPU layer leases no scratch
+
