@@ -20,6 +20,12 @@ Variables:
     allocator (the benchmark baseline).
 ``VLLM_DSV4_WORKSPACE_DEBUG`` = ``0`` (default) | ``1``
     Poison released workspace regions with NaN and raise on overlapping leases.
+``VLLM_DSV4_WORKSPACE_LOG_EVERY`` = ``0`` (default, off) | a positive int ``N``
+    The worker logs one line of live workspace counters every ``N`` served
+    model steps and at a graceful shutdown (``--shutdown-timeout`` > 0; vLLM's
+    default SIGKILLs the worker): model steps, leases and allocations in leased
+    families per step (0 except under ``off``), fence waits, reserved and
+    peak leased MiB.
 ``VLLM_DSV4_KERNEL`` = ``auto`` (default) | ``torch`` | ``vllm_cpu`` | ``flashmla``
     Sparse-MLA kernel path of the plugin's layer: vectorized PyTorch (runs
     anywhere, the oracle), vLLM's C++ CPU kernels, or FlashMLA on CUDA;
@@ -105,6 +111,22 @@ def _float(name: str) -> Callable[[], float | None]:
     return read
 
 
+def _count(name: str, default: int) -> Callable[[], int]:
+    def read() -> int:
+        raw = os.environ.get(name, "").strip()
+        if not raw:
+            return default
+        try:
+            value = int(raw)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise ValueError(f"{name}: expected a non-negative int, got {raw!r}")
+        return value
+
+    return read
+
+
 def _path(name: str) -> Callable[[], str | None]:
     def read() -> str | None:
         value = os.environ.get(name, "").strip()
@@ -116,6 +138,7 @@ def _path(name: str) -> Callable[[], str | None]:
 environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_DSV4_WORKSPACE": _choice("VLLM_DSV4_WORKSPACE", "shared", ("shared", "private", "off")),
     "VLLM_DSV4_WORKSPACE_DEBUG": _flag("VLLM_DSV4_WORKSPACE_DEBUG", False),
+    "VLLM_DSV4_WORKSPACE_LOG_EVERY": _count("VLLM_DSV4_WORKSPACE_LOG_EVERY", 0),
     "VLLM_DSV4_KERNEL": _choice(
         "VLLM_DSV4_KERNEL", "auto", ("auto", "torch", "vllm_cpu", "flashmla")
     ),
@@ -130,6 +153,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
 if False:  # static names for type checkers and IDEs  # noqa: SIM108
     VLLM_DSV4_WORKSPACE: str = "shared"
     VLLM_DSV4_WORKSPACE_DEBUG: bool = False
+    VLLM_DSV4_WORKSPACE_LOG_EVERY: int = 0
     VLLM_DSV4_KERNEL: str = "auto"
     VLLM_DSV4_ATTN_IMPL: str = "auto"
     VLLM_DSV4_SKIP_VERSION_CHECK: bool = False

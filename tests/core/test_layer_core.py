@@ -165,3 +165,45 @@ def test_step_holder_per_micro_batch(monkeypatch):
         assert holder.current() is s0
     assert holder.current() is None
     assert ws.stats()["leased_bytes_now"] == 0
+
+
+@pytest.mark.parametrize("every", [0, 2])
+def test_model_steps_and_live_summary(monkeypatch, caplog, every):
+    """One model step per forward of the first registered layer for
+    micro-batch 0 (``model_step``, not the benchmark's ``begin_step``); the
+    summary every ``VLLM_DSV4_WORKSPACE_LOG_EVERY`` steps (0: never)."""
+    monkeypatch.setattr(core, "_managers", {})
+    monkeypatch.setenv("VLLM_DSV4_WORKSPACE_LOG_EVERY", str(every))
+    finalizers = []
+    monkeypatch.setattr(core.multiprocessing.util, "Finalize",
+                        lambda obj, fn, **k: finalizers.append(fn))
+    ws = core.manager_for(_vllm_config(ubatching=True), _layer(), "cpu")
+    ws.add_layer("layers.0", 4)
+    ws.add_layer("layers.1", 0)
+    ws.reserve()
+    ids = [0]
+    monkeypatch.setattr(core, "ubatch_id", lambda: ids[0])
+    holders = [core.StepHolder(ws, n, platform="CPU") for n in ("layers.0", "layers.1")]
+    caplog.set_level(logging.INFO, logger="vllm_dsv4_backend")
+    for _ in range(5):
+        for u in (0, 1):
+            ids[0] = u
+            for h in holders:
+                with h.open(4) as step:
+                    step.lease("q")
+    live = ws.live_stats()
+    assert live["steps"] == 5 and ws.stats()["steps"] == 0
+    assert live["leases_total"] == 5 * 2 * 2 and live["leases_per_step"] == 4.0
+    assert live["leases_max_per_step"] == 4
+    assert live["allocations_total"] == 0
+    assert live["reserved_bytes_total"] == ws.stats()["reserved_bytes_total"] > 0
+    lines = [r.getMessage() for r in caplog.records if "workspace live (CPU)" in r.getMessage()]
+    if every == 0:
+        assert lines == [] and finalizers == []
+        return
+    assert len(lines) == 2 and "4 model steps" in lines[1], lines
+    assert "leases 4.0/step" in lines[1] and "allocations in leased families 0.0/step" in lines[1]
+    assert len(finalizers) == 1
+    finalizers[0]()
+    assert "5 model steps" in caplog.records[-1].getMessage()
+    assert "at shutdown" in caplog.records[-1].getMessage()

@@ -29,6 +29,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "vllm_dsv4_backend"
 BAD: dict[str, str] = {
     "VLLM_DSV4_WORKSPACE": "pool",
     "VLLM_DSV4_WORKSPACE_DEBUG": "maybe",
+    "VLLM_DSV4_WORKSPACE_LOG_EVERY": "often",
     "VLLM_DSV4_KERNEL": "bogus",
     "VLLM_DSV4_ATTN_IMPL": "both",
     "VLLM_DSV4_SKIP_VERSION_CHECK": "maybe",
@@ -61,6 +62,10 @@ READERS: dict[str, list[Any]] = {
     "VLLM_DSV4_WORKSPACE_DEBUG": [
         lambda: WorkspaceManager(_config(), policy="shared"),
         lambda: resolve_debug(),
+    ],
+    "VLLM_DSV4_WORKSPACE_LOG_EVERY": [
+        lambda: __import__("vllm_dsv4_backend.layer.core", fromlist=["core"]).StepHolder(
+            WorkspaceManager(_config(), policy="shared", debug=False), "layers.0"),
     ],
     "VLLM_DSV4_KERNEL": [
         lambda: ops.kernel_path("cpu"),

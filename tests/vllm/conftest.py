@@ -84,6 +84,8 @@ def tiny_server():
         # (VLLM_DSV4_ATTN_IMPL=vllm runs these tests on vLLM's DeepSeek-V4 CPU layer).
         VLLM_DSV4_ATTN_IMPL=env.get("VLLM_DSV4_ATTN_IMPL", "plugin"),
         PYTHONUNBUFFERED="1",
+        # The worker's live workspace summary (test_workspace_live_served.py).
+        VLLM_DSV4_WORKSPACE_LOG_EVERY=env.get("VLLM_DSV4_WORKSPACE_LOG_EVERY", "4"),
     )
     (run_dir / "tmp").mkdir(parents=True, exist_ok=True)
     timeout = float(os.environ.get("DSV4_SERVER_TIMEOUT", "900"))

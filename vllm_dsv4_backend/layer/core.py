@@ -21,7 +21,10 @@ platform lives here, once:
   ONE log line per manager at load: bytes per family, policy, micro-batches);
 * the step holder (:class:`StepHolder`: a layer's open
   :class:`~vllm_dsv4_backend.eager.Step` per micro-batch and the stream it
-  was opened on).
+  was opened on), which also marks the served model steps
+  (``WorkspaceManager.model_step``: one per forward of the model's first
+  layer for micro-batch 0) and logs the live counters every
+  ``VLLM_DSV4_WORKSPACE_LOG_EVERY`` model steps and at shutdown.
 
 This module imports no vLLM at import time (micro-batch ids are looked up
 lazily), so it loads under vLLM 0.32, 0.33 and 0.34 alike.
@@ -31,7 +34,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import multiprocessing.util
 import threading
+import weakref
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -282,13 +287,19 @@ class StepHolder:
     micro-batch id beyond the reservation is refused by the workspace.
     """
 
-    __slots__ = ("_homes", "_lookup", "_steps", "layer_name", "workspace")
+    __slots__ = ("_counts_steps", "_homes", "_log_every", "_lookup", "_seen", "_steps",
+                 "layer_name", "platform", "workspace")
 
     def __init__(
-        self, workspace: WorkspaceManager, layer_name: str, *, always_lookup: bool = False
+        self, workspace: WorkspaceManager, layer_name: str, *, always_lookup: bool = False,
+        platform: str = "",
     ) -> None:
         self.workspace = workspace
         self.layer_name = layer_name
+        self.platform = platform
+        self._log_every = envs.VLLM_DSV4_WORKSPACE_LOG_EVERY
+        self._counts_steps: bool | None = None  # decided at the first open
+        self._seen = 0  # model steps begun (the first layer's holder only)
         self._lookup = always_lookup or workspace.config.num_ubatches > 1
         self._steps: dict[int, eager.Step] = {}
         self._homes: dict[int, Any] = {}
@@ -310,6 +321,16 @@ class StepHolder:
         on exit (returned or raised)."""
         ws = self.workspace
         ubatch = self._ubatch()
+        if ubatch == 0:
+            if self._counts_steps is None:
+                self._counts_steps = ws.first_layer == self.layer_name
+                if self._counts_steps and self._log_every:
+                    _log_at_shutdown(ws, self.platform)
+            if self._counts_steps:
+                # Logged as model step N + 1 begins: N whole steps.
+                if self._log_every and self._seen and self._seen % self._log_every == 0:
+                    logger.info("%s", ws.live_summary(self.platform))
+                self._seen = ws.model_step()
         with eager.Step(ws, self.layer_name, num_tokens, ubatch) as step:
             self._steps[ubatch] = step
             self._homes[ubatch] = ws.backend.current_stream()
@@ -318,3 +339,22 @@ class StepHolder:
             finally:
                 self._steps.pop(ubatch, None)
                 self._homes.pop(ubatch, None)
+
+
+def _log_at_shutdown(workspace: WorkspaceManager, label: str) -> None:
+    """Log ``workspace``'s live summary once when the process exits.
+
+    ``multiprocessing.util.Finalize`` with an exit priority runs from
+    multiprocessing's exit function, which a ``multiprocessing`` child (vLLM's
+    engine-core and worker processes) calls itself before ``os._exit`` (where
+    plain ``atexit`` handlers never run) and the main process through
+    ``atexit``. A weak reference: the summary must not keep the model alive.
+    """
+    ref = weakref.ref(workspace)
+
+    def log() -> None:
+        ws = ref()
+        if ws is not None:
+            logger.info("%s (at shutdown)", ws.live_summary(label))
+
+    multiprocessing.util.Finalize(None, log, exitpriority=10)

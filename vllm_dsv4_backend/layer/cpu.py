@@ -380,7 +380,7 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         self._workspace = workspace_manager_for(vllm_config, self)
         self._workspace.add_layer(self.prefix, self.compress_ratio)
         self._tables = _step_tables[id(self._workspace)]
-        self._steps = core.StepHolder(self._workspace, self.prefix)
+        self._steps = core.StepHolder(self._workspace, self.prefix, platform="CPU")
         if self.indexer is not None:
             self.indexer.__class__ = DSV4Indexer
             self.indexer._dsv4_dtype = self.indexer_kv_dtype

@@ -401,7 +401,8 @@ class DSV4FlashMLAAttention(DeepseekV4FlashMLAAttention):
         layers built without a ``VllmConfig``)."""
         self._workspace = workspace
         self._dsv4_kernels = kernels if kernels is not None else VllmCudaKernels()
-        self._dsv4_steps = core.StepHolder(workspace, self.prefix, always_lookup=True)
+        self._dsv4_steps = core.StepHolder(workspace, self.prefix, always_lookup=True,
+                                           platform="CUDA")
         self._dsv4_logged = False
         self._dsv4_memory_utilization: float | None = None
         workspace.add_layer(self.prefix, self.compress_ratio)

@@ -88,6 +88,7 @@ from .lease import (  # noqa: F401  (re-exported: the manager's public names)
     _poison,
     _Slot,
 )
+from .live import LiveCounters, format_summary
 from .sizing import (
     FAMILIES,
     POLICIES,
@@ -209,6 +210,7 @@ class WorkspaceManager:
         self._steps = 0
         self._in_step = False
         self._step_counter: AllocationCounter | None = None
+        self._live_counters = LiveCounters()
 
     # --- setup ----------------------------------------------------------------------
 
@@ -628,6 +630,41 @@ class WorkspaceManager:
             yield self
         finally:
             self.end_step()
+
+    # --- live counters while serving (no begin_step / end_step there) ----------------
+
+    @property
+    def first_layer(self) -> str | None:
+        """The first registered layer's name (``None`` before any)."""
+        return next(iter(self._layers), None)
+
+    def _live_totals(self) -> tuple[int, int, int]:
+        return self._leases_total, self._allocs_total, self._fence_waits_total
+
+    def model_step(self) -> int:
+        """A served model step begins (the layer core calls this at each
+        forward of :attr:`first_layer` for micro-batch 0); distinct from the
+        benchmark's ``begin_step``, whose counters it leaves alone. Returns the
+        number of model steps so far (see :meth:`live_stats`)."""
+        return self._live_counters.tick(*self._live_totals())
+
+    def live_stats(self) -> dict[str, Any]:
+        """Served model steps (``steps``), and leases, allocations the manager
+        made for leased families (0 unless ``off``) and fence waits since the
+        first: ``<name>_total``, ``<name>_per_step``, ``<name>_max_per_step``
+        (``leases`` / ``allocations`` / ``fence_waits``); with
+        ``reserved_bytes_total`` and ``peak_leased_bytes``."""
+        out = self._live_counters.snapshot(*self._live_totals())
+        out["reserved_bytes_total"] = 0 if self._layout is None else self._layout.total_bytes
+        out["peak_leased_bytes"] = self._peak_leased_bytes
+        return out
+
+    def live_summary(self, label: str) -> str:
+        """One log line of :meth:`live_stats` (``label``: e.g. the platform)."""
+        live = self.live_stats()
+        return format_summary(label, live, policy=self.policy,
+                              reserved_bytes=live["reserved_bytes_total"],
+                              peak_leased_bytes=live["peak_leased_bytes"])
 
     def reserved_bytes_per_family(self) -> dict[str, int]:
         per = dict.fromkeys(FAMILIES, 0)

@@ -1,0 +1,76 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Live counters of a served workspace (torch only, no vLLM).
+
+The benchmark brackets its own steps with ``WorkspaceManager.begin_step`` /
+``end_step``; a serving worker has no such bracket, so the layer core marks
+one *model step* per forward of the model's first registered layer for
+micro-batch 0 (``WorkspaceManager.model_step``). Between two marks the
+manager's running totals (leases, allocations it made for leased families,
+fence waits) grow by one model step's worth; :class:`LiveCounters` keeps the
+totals since the first mark and the largest step, and formats the one-line
+summary the worker logs every ``VLLM_DSV4_WORKSPACE_LOG_EVERY`` model steps
+and at shutdown.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MIB = 1 << 20
+
+# The totals a model step is measured in, in the order ``tick`` takes them.
+COUNTERS: tuple[str, ...] = ("leases", "allocations", "fence_waits")
+
+
+class LiveCounters:
+    """Model steps and the counters' totals and per-step maxima since the first."""
+
+    __slots__ = ("_base", "_mark", "max_per_step", "steps")
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self._base: tuple[int, ...] | None = None
+        self._mark: tuple[int, ...] = (0,) * len(COUNTERS)
+        self.max_per_step: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+
+    def tick(self, *totals: int) -> int:
+        """A model step begins; ``totals`` are the manager's running totals of
+        :data:`COUNTERS`. Returns the number of model steps begun so far."""
+        if self._base is None:
+            self._base = totals
+        else:
+            for name, now, before in zip(COUNTERS, totals, self._mark, strict=True):
+                self.max_per_step[name] = max(self.max_per_step[name], now - before)
+        self._mark = totals
+        self.steps += 1
+        return self.steps
+
+    def snapshot(self, *totals: int) -> dict[str, Any]:
+        """``steps`` and, per counter, ``<name>_total`` (since the first model
+        step, the step in progress included), ``<name>_per_step`` (mean) and
+        ``<name>_max_per_step`` (over finished steps)."""
+        base = self._base if self._base is not None else totals
+        out: dict[str, Any] = {"steps": self.steps}
+        for name, now, b in zip(COUNTERS, totals, base, strict=True):
+            total = now - b
+            out[f"{name}_total"] = total
+            out[f"{name}_per_step"] = total / self.steps if self.steps else 0.0
+            out[f"{name}_max_per_step"] = self.max_per_step[name]
+        return out
+
+
+def format_summary(label: str, live: dict[str, Any], *, policy: str, reserved_bytes: int,
+                   peak_leased_bytes: int) -> str:
+    """The one-line summary (stable wording: tests and operators grep it)."""
+    return (
+        f"vllm_dsv4_backend workspace live ({label}): {live['steps']} model steps, "
+        f"leases {live['leases_per_step']:.1f}/step ({live['leases_total']} total, "
+        f"max {live['leases_max_per_step']}), "
+        f"allocations in leased families {live['allocations_per_step']:.1f}/step "
+        f"({live['allocations_total']} total), "
+        f"fence waits {live['fence_waits_per_step']:.1f}/step "
+        f"({live['fence_waits_total']} total), "
+        f"reserved {reserved_bytes / MIB:.1f} MiB, peak leased {peak_leased_bytes / MIB:.1f} MiB, "
+        f"policy {policy}"
+    )
