@@ -9,7 +9,16 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_dsv4_backend.attention_config import install, normalize_attention_config  # noqa: E402
+from vllm_dsv4_backend.attention_config import normalize_attention_config  # noqa: E402
+from vllm_dsv4_backend.vllm_compat import patches  # noqa: E402
+
+# The registry entries plugin.register() arms, applied now (this process loads no plugins).
+CONFIG_PATCHES = ("attention_config_json", "attention_config_init", "llm_attention_config")
+
+
+def install() -> None:
+    for name in CONFIG_PATCHES:
+        patches.apply(name)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +66,8 @@ def test_contradiction_is_a_clear_cli_error():
     # A fresh process: argparse exits 2 with our message, not a bare
     # "invalid parse_dataclass value".
     code = (
-        "from vllm_dsv4_backend.attention_config import install; install();"
+        "from vllm_dsv4_backend.vllm_compat import patches;"
+        "[patches.apply(n) for n in ('attention_config_json', 'attention_config_init')];"
         "from vllm.engine.arg_utils import EngineArgs;"
         "from vllm.utils.argparse_utils import FlexibleArgumentParser;"
         "p = EngineArgs.add_cli_args(FlexibleArgumentParser());"
