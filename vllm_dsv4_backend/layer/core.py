@@ -46,6 +46,7 @@ import torch
 from vllm_dsv4_backend import eager, envs, testing
 from vllm_dsv4_backend._logging import init_logger
 from vllm_dsv4_backend.formats.constants import layer_kind
+from vllm_dsv4_backend.layer.plan import LEASE_PLAN
 from vllm_dsv4_backend.workspace import WorkspaceConfig, WorkspaceManager
 from vllm_dsv4_backend.workspace.budget import reserve_budget_bytes
 from vllm_dsv4_backend.workspace.sizing import LeasePlan
@@ -75,53 +76,15 @@ _managers_lock = threading.Lock()
 
 # --- the lease plan ------------------------------------------------------------------
 
-# The indexer q: values, MXFP4's ue8m0 scales (FP8 has no scales view, so
-# nothing is reserved for it there) and the head weights; written by the
-# platform's q-quant kernel on both platforms.
-_INDEXER_Q = ("q", "scales", "weights")
-
-# platform -> indexer K cache dtype -> layer kind -> family -> views: what
-# each layer really leases (tests/cuda/test_layer_streams.py and
-# tests/vllm/test_lease_plan_served.py compare it with the leases taken).
-# Neither layer leases ``topk.local``: both write the local ids into vLLM's
-# model-wide ``topk_indices_buffer``. Every layer leases ``q.out`` (vLLM's
-# per-layer attention output); the padded q comes back from vLLM's fused
-# q-norm/RoPE/KV-insert kernel (no output argument) on both platforms.
-LEASE_PLAN: dict[str, dict[str, dict[str, dict[str, tuple[str, ...]]]]] = {
-    # CPU: topk.global is the page-id output topk_transform_512_cpu must
-    # write (FP8) or the plugin's MXFP4 top-k's global ids, with lens; the
-    # compressors' state goes to vLLM's caches (no scratch on CPU).
-    "cpu": {
-        "fp8": {
-            "swa": {"q": ("out",)},
-            "c4": {"q": ("out",), "indexer_q": _INDEXER_Q, "topk": ("global",)},
-            "c128": {"q": ("out",)},
-        },
-        "mxfp4": {
-            "swa": {"q": ("out",)},
-            "c4": {"q": ("out",), "indexer_q": _INDEXER_Q, "topk": ("global", "lens")},
-            "c128": {"q": ("out",)},
-        },
-    },
-    # CUDA: C4 decode's global top-k and lengths through vLLM's kernel
-    # object; C128's compressor fp32 scratch (C4's compressors allocate
-    # nothing the plugin replaces).
-    "cuda": dict.fromkeys(("fp8", "mxfp4"), {
-        "swa": {"q": ("out",)},
-        "c4": {"q": ("out",), "indexer_q": _INDEXER_Q, "topk": ("global", "lens")},
-        "c128": {"q": ("out",), "compressor": ("scratch",)},
-    }),
-}
-
-
 def lease_plan(platform: str, indexer_kv_dtype: str) -> LeasePlan:
-    """The :data:`LEASE_PLAN` of ``platform``'s layer for ``indexer_kv_dtype``."""
+    """:data:`LEASE_PLAN` of ``platform``'s layer for ``indexer_kv_dtype``."""
     try:
         return LeasePlan(LEASE_PLAN[platform][indexer_kv_dtype])
     except KeyError:
         raise ValueError(
-            f"lease plan: expected a platform in {sorted(LEASE_PLAN)} and an indexer dtype in "
-            f"{sorted(LEASE_PLAN['cuda'])}, got {platform!r}, {indexer_kv_dtype!r}"
+            f"lease plan: expected a platform in {sorted(LEASE_PLAN)} and an indexer "
+            f"dtype in {sorted(LEASE_PLAN['cuda'])}, got {platform!r}, "
+            f"{indexer_kv_dtype!r}"
         ) from None
 
 

@@ -11,14 +11,20 @@ name here.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from .sizing import BufferSpec
 
-if TYPE_CHECKING:
-    from .manager import WorkspaceManager
+
+class _Owner(Protocol):
+    """What a lease needs of its manager (:class:`.manager.WorkspaceManager`;
+    a protocol, so this module does not import the manager that imports it)."""
+
+    _backend: Any
+
+    def _release(self, lease: Lease) -> None: ...
 
 __all__ = [
     "Lease",
@@ -119,7 +125,7 @@ class Lease:
 
     def __init__(
         self,
-        manager: WorkspaceManager,
+        manager: _Owner,
         slot: _Slot | None,
         layer_name: str,
         family: str,

@@ -41,7 +41,7 @@ family and micro-batch, used by every layer in turn behind stream fences;
 reserves nothing (plain allocator).
 
 ``python -m vllm_dsv4_backend.workspace.sizing`` prints the README's table:
-each platform's lease plan (``layer.core.LEASE_PLAN``) beside #49236's pool.
+each platform's lease plan (``layer.plan.LEASE_PLAN``) beside #49236's pool.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ class LeasePlan:
     kind: ``kinds[kind][family]`` = the views. Sizing reserves exactly these
     (``WorkspaceConfig.lease_plan``); a view the indexer dtype does not have
     (``scales`` under FP8) is simply not reserved. The plans themselves are
-    declared next to the layers (``vllm_dsv4_backend.layer.core.LEASE_PLAN``).
+    declared next to the layers (``vllm_dsv4_backend.layer.plan.LEASE_PLAN``).
     """
 
     kinds: Mapping[str, Mapping[str, tuple[str, ...]]]
@@ -634,8 +634,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="whose lease plan to size (all-families: every family of every "
                          "layer kind with the padded q, the sizing before lease plans)")
     a = ap.parse_args(argv)
-    # The plans are declared next to the layers; layer.core imports no vLLM.
-    from vllm_dsv4_backend.layer import core
+    # The plans are declared next to the layers (data only: layer/plan.py imports nothing).
+    from vllm_dsv4_backend.layer.plan import LEASE_PLAN
 
     print(
         f"DeepSeek-V4-Flash, T={a.tokens}, micro-batches={a.ubatches}, kernel={a.kernel}, "
@@ -644,7 +644,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     for platform in a.platform:
         plans = None if platform == "all-families" else {
-            dt: core.lease_plan(platform, dt) for dt in INDEXER_KV_DTYPES}
+            dt: LeasePlan(LEASE_PLAN[platform][dt]) for dt in INDEXER_KV_DTYPES}
         rows = memory_table(
             tp_sizes=a.tp,
             max_num_batched_tokens=a.tokens,
@@ -655,7 +655,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         print()
         print(f"{platform}: " + ("every family, padded q" if plans is None else
-                                 "the layer's lease plan (layer.core.LEASE_PLAN)"))
+                                 "the layer's lease plan (layer.plan.LEASE_PLAN)"))
         print()
         print(format_memory_table(rows))
 
