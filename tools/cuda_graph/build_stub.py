@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import hashlib
 import os
 import shutil
 import sys
@@ -41,6 +40,15 @@ import zipfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# The plugin's fingerprint normalisation and definition lookup (vLLM-free), so a
+# cut body's printed fingerprint is the one the plugin's drift check computes.
+sys.path.insert(0, str(HERE.parent.parent))
+from vllm_dsv4_backend.vllm_compat import fingerprints  # noqa: E402
+from vllm_dsv4_backend.vllm_compat.fingerprints import (  # noqa: E402
+    definition,
+    definition_text,
+    fingerprint_text,
+)
 
 ATTN = "vllm/models/deepseek_v4/attention.py"
 COMP = "vllm/models/deepseek_v4/compressor.py"
@@ -51,11 +59,6 @@ UBATCH = "vllm/v1/worker/ubatching.py"
 NEEDED = (ATTN, COMP, FLASHMLA, MSU, BCG, UBATCH, "vllm/version.py", "vllm/_version.py")
 
 
-def fingerprint_text(src: str) -> str:
-    lines = [ln.strip() for ln in src.splitlines() if ln.strip()]
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
-
-
 class Source:
     def __init__(self, root: Path, rel: str) -> None:
         self.rel = rel
@@ -64,24 +67,11 @@ class Source:
         self.tree = ast.parse(self.text)
 
     def node(self, qualname: str) -> ast.AST | None:
-        node: ast.AST = self.tree
-        for part in qualname.split("."):
-            found = None
-            for child in getattr(node, "body", []):
-                if isinstance(child, (ast.ClassDef, ast.FunctionDef)) and child.name == part:
-                    found = child
-            if found is None:
-                return None
-            node = found
-        return node
+        return definition(self.tree, qualname)
 
     def cut(self, qualname: str) -> str | None:
-        node = self.node(qualname)
-        if node is None:
-            return None
-        assert isinstance(node, (ast.ClassDef, ast.FunctionDef))
-        first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
-        return "\n".join(self.lines[first - 1 : node.end_lineno]) + "\n"
+        node = definition(self.tree, qualname)
+        return None if node is None else definition_text(self.text, node) + "\n"
 
 
 class Cuts:
@@ -564,13 +554,8 @@ def build(root: Path, out: Path) -> tuple[str, list[tuple[str, str, int, int]]]:
 
 def known_fingerprints(version: str) -> dict[str, str]:
     """The plugin's recorded fingerprints for this minor (empty if unavailable)."""
-    try:
-        sys.path.insert(0, str(HERE.parent.parent))
-        from vllm_dsv4_backend.vllm_compat import fingerprints
-    except Exception:  # noqa: BLE001 - best effort (it may need vLLM)
-        return {}
     minor = ".".join(version.split(".")[:2])
-    return dict(getattr(fingerprints, "KNOWN", {}).get(minor, {}))
+    return dict(fingerprints.KNOWN.get(minor, {}))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,11 +65,8 @@ DSL modules, which cannot be imported without ``cutlass``).
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import functools
-import hashlib
-import importlib.util
 import weakref
 from typing import Any
 
@@ -85,6 +82,7 @@ from vllm_dsv4_backend import attention_config, eager, testing
 from vllm_dsv4_backend.layer import core
 from vllm_dsv4_backend.layer.core import make_workspace, num_ubatches
 from vllm_dsv4_backend.layer.cuda_kernels import GraphSafeCudaStreamBackend, VllmCudaKernels
+from vllm_dsv4_backend.vllm_compat.fingerprints import source_fingerprint, source_params
 from vllm_dsv4_backend.workspace import WorkspaceManager
 
 logger = init_logger(__name__)
@@ -648,52 +646,6 @@ def check_mxfp4_arch(vllm_config: Any) -> None:
     )
     if message is not None:
         raise ValueError(message)
-
-
-def _source_node(module_name: str, qualname: str) -> tuple[str, Any] | None:
-    spec = importlib.util.find_spec(module_name)
-    if spec is None or spec.origin is None:
-        return None
-    with open(spec.origin, encoding="utf-8") as f:
-        text = f.read()
-    node: Any = ast.parse(text)
-    for part in qualname.split("."):
-        found = None
-        for child in getattr(node, "body", []):
-            if isinstance(child, (ast.ClassDef, ast.FunctionDef)) and child.name == part:
-                found = child
-        if found is None:
-            return None
-        node = found
-    return text, node
-
-
-def source_fingerprint(module_name: str, qualname: str) -> str | None:
-    """``fingerprints.fingerprint`` of a definition read from source text (for
-    modules that cannot be imported on CPU); None if it is missing."""
-    found = _source_node(module_name, qualname)
-    if found is None:
-        return None
-    text, node = found
-    first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
-    src = "\n".join(text.splitlines()[first - 1 : node.end_lineno])
-    lines = [ln.strip() for ln in src.splitlines() if ln.strip()]
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
-
-
-def source_params(module_name: str, qualname: str) -> list[str] | None:
-    """Parameter names (without ``self``) of ``qualname`` in ``module_name``'s
-    source file, read with ``ast`` (the module is not imported); ``None`` if
-    the file or the definition is missing."""
-    found = _source_node(module_name, qualname)
-    if found is None:
-        return None
-    node = found[1]
-    if not isinstance(node, ast.FunctionDef):
-        return None
-    args = node.args
-    names = [a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]]
-    return [n for n in names if n != "self"]
 
 
 def check_kernel_signatures() -> None:

@@ -14,15 +14,26 @@ vllm_dsv4_backend.vllm_compat.fingerprints SYMBOL...`` prints the values).
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib
+import importlib.util
 import inspect
 import sys
 from collections.abc import Iterable
 
 from vllm_dsv4_backend.vllm_compat import hooks
 
-__all__ = ["KNOWN", "check", "fingerprint"]
+__all__ = [
+    "KNOWN",
+    "check",
+    "definition",
+    "definition_text",
+    "fingerprint",
+    "fingerprint_text",
+    "source_fingerprint",
+    "source_params",
+]
 
 # vLLM minor version -> {"module:qualname": sha256[:16] of the normalized source}
 KNOWN: dict[str, dict[str, str]] = {
@@ -110,12 +121,70 @@ def _resolve(symbol: str) -> object:
     return obj
 
 
-def fingerprint(symbol: str) -> str:
-    """sha256 (16 hex) of ``symbol``'s source, blank lines and indentation-only
-    differences removed (``module:qualname``)."""
-    src = inspect.getsource(_resolve(symbol))
+def fingerprint_text(src: str) -> str:
+    """The normalisation every fingerprint uses: sha256 (16 hex) of the source's
+    non-empty lines, stripped (blank lines and indentation do not count)."""
     lines = [ln.strip() for ln in src.splitlines() if ln.strip()]
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+def fingerprint(symbol: str) -> str:
+    """:func:`fingerprint_text` of ``symbol``'s source (``module:qualname``, imported)."""
+    return fingerprint_text(inspect.getsource(_resolve(symbol)))
+
+
+def definition(tree: ast.AST, qualname: str) -> ast.ClassDef | ast.FunctionDef | None:
+    """The class or function ``qualname`` (dotted) in a parsed module; None if missing."""
+    node: ast.AST = tree
+    for part in qualname.split("."):
+        found = None
+        for child in getattr(node, "body", []):
+            if isinstance(child, (ast.ClassDef, ast.FunctionDef)) and child.name == part:
+                found = child
+        if found is None:
+            return None
+        node = found
+    return node  # type: ignore[return-value]
+
+
+def definition_text(text: str, node: ast.ClassDef | ast.FunctionDef) -> str:
+    """``node``'s source lines in ``text``, decorators included (what
+    ``inspect.getsource`` returns for it)."""
+    first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+    return "\n".join(text.splitlines()[first - 1 : node.end_lineno])
+
+
+def _source_definition(module_name: str, qualname: str) -> tuple[str, ast.AST] | None:
+    # From the module's file, without importing it (CuTe DSL modules import cutlass).
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or spec.origin is None:
+        return None
+    with open(spec.origin, encoding="utf-8") as f:
+        text = f.read()
+    node = definition(ast.parse(text), qualname)
+    return None if node is None else (text, node)
+
+
+def source_fingerprint(module_name: str, qualname: str) -> str | None:
+    """:func:`fingerprint` of a definition read from source text (for modules
+    that cannot be imported on CPU); None if it is missing."""
+    found = _source_definition(module_name, qualname)
+    if found is None:
+        return None
+    text, node = found
+    return fingerprint_text(definition_text(text, node))  # type: ignore[arg-type]
+
+
+def source_params(module_name: str, qualname: str) -> list[str] | None:
+    """Parameter names (without ``self``) of ``qualname`` in ``module_name``'s
+    source file, read with ``ast`` (the module is not imported); ``None`` if
+    the file or the definition is missing."""
+    found = _source_definition(module_name, qualname)
+    if found is None or not isinstance(found[1], ast.FunctionDef):
+        return None
+    args = found[1].args
+    names = [a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]]
+    return [n for n in names if n != "self"]
 
 
 def check(symbols: Iterable[str], minor: str) -> None:
