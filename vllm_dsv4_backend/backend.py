@@ -68,12 +68,8 @@ class DSV4FlashMLASparseBackend(DeepseekV4SparseMLABackend):
 
     @classmethod
     def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
-        # FlashMLA's DeepSeek-V4 kernels exist for sm90a and sm100f; the torch
-        # path has no architecture limit (selected with VLLM_DSV4_KERNEL=torch).
-        from vllm_dsv4_backend import envs
-
-        if envs.VLLM_DSV4_KERNEL == "torch":
-            return True
+        # The CUDA layer runs vLLM's FlashMLA DeepSeek-V4 kernels, built for sm90a
+        # and sm100f only.
         return capability.major in (9, 10)
 
     @classmethod
@@ -124,8 +120,7 @@ class DSV4FlashMLASparseBackend(DeepseekV4SparseMLABackend):
         ):
             reasons.append(
                 f"compute capability {device_capability.major}.{device_capability.minor}"
-                " has no FlashMLA DeepSeek-V4 kernel (supported: 9.x, 10.x); set "
-                "VLLM_DSV4_KERNEL=torch to run the PyTorch path instead"
+                " has no FlashMLA DeepSeek-V4 kernel (supported: 9.x, 10.x)"
             )
         return reasons
 

@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The DeepSeek-V4 attention eager region as plain functions (torch only).
+"""What the plugin's layers share of the DeepSeek-V4 attention eager region (torch only).
 
-The vLLM layer (:mod:`vllm_dsv4_backend.layer`) and the layer benchmark
-(:mod:`vllm_dsv4_backend.bench`) both run these, so what is measured is what
-is served. Every output goes into caller-owned buffers (workspace leases);
-nothing here allocates a buffer that outlives the call.
+:class:`Step` holds one layer's workspace leases of one step (both layers);
+:func:`select_topk_c4` is the CPU layer's C4 top-k into leased buffers. Every output goes
+into caller-owned buffers (workspace leases); nothing here allocates a buffer that outlives
+the call.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from vllm_dsv4_backend import ops
 from vllm_dsv4_backend.formats.fp8_ds_mla import BYTES_PER_TOKEN as ENTRY_BYTES
 from vllm_dsv4_backend.ops import indexer as indexer_ops
 
@@ -159,49 +158,4 @@ def select_topk_c4(
         entries_per_block,
         out_indices=out_global,
         out_lens=out_lens,
-    )
-
-
-def attend(
-    q: torch.Tensor,
-    swa_cache: torch.Tensor,
-    window_indices: torch.Tensor,
-    window_lens: torch.Tensor,
-    attn_sink: torch.Tensor,
-    scale: float,
-    out: torch.Tensor,
-    compressed_cache: torch.Tensor | None = None,
-    compressed_indices: torch.Tensor | None = None,
-    compressed_lens: torch.Tensor | None = None,
-    scratch: torch.Tensor | None = None,
-    kernel: str | None = None,
-) -> None:
-    """Sparse MLA of ``T`` tokens over their window and compressed entries,
-    one softmax with the sink, written into ``out``.
-
-    Args:
-        q: ``[T, Hp, 512]`` bf16 (padded heads).
-        swa_cache / compressed_cache: fp8_ds_mla ``[num_blocks, B, 584]``.
-        window_indices: ``[T, W]`` int32 global SWA slots, ``window_lens`` ``[T]``.
-        compressed_indices: ``[T, K]`` int32 global slots, ``compressed_lens`` ``[T]``.
-        attn_sink: ``[Hp]`` fp32 (pad heads ``-inf``).
-        out: ``[T, Hp, 512]`` bf16.
-        scratch: optional uint8 buffer for the torch path's intermediates
-            (``ops.decode_scratch_nbytes``); with it the call allocates nothing.
-        kernel: the sparse-MLA path (``ops.kernel_path``); None: the setting.
-    """
-    ops.sparse_mla_decode(
-        q.unsqueeze(1),
-        swa_cache,
-        window_indices.unsqueeze(1),
-        window_lens,
-        attn_sink,
-        scale,
-        compressed_cache,
-        None if compressed_indices is None else compressed_indices.unsqueeze(1),
-        compressed_lens,
-        out=out.unsqueeze(1),
-        need_lse=False,
-        scratch=scratch,
-        kernel=kernel,
     )

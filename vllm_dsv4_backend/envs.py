@@ -26,10 +26,12 @@ Variables:
     default SIGKILLs the worker): model steps, leases and allocations in leased
     families per step (0 except under ``off``), fence waits, reserved and
     peak leased MiB.
-``VLLM_DSV4_KERNEL`` = ``auto`` (default) | ``torch`` | ``vllm_cpu`` | ``flashmla``
-    Sparse-MLA kernel path of the plugin's layer: vectorized PyTorch (runs
-    anywhere, the oracle), vLLM's C++ CPU kernels, or FlashMLA on CUDA;
-    ``auto`` picks FlashMLA on CUDA and the C++ kernels (else torch) on CPU.
+``VLLM_DSV4_KERNEL`` = ``auto`` (default) | ``torch`` | ``vllm_cpu``
+    Sparse-MLA path of the CPU layer: ``torch``, the plugin's vectorized PyTorch
+    (runs anywhere, the oracle); ``vllm_cpu`` / ``auto``, the op vLLM's layer
+    calls (its C++ kernel, or the plugin's registered fallback where vLLM's
+    library lacks it; ``vllm_cpu`` refuses the fallback). The CUDA layer always
+    runs vLLM's FlashMLA kernels.
 ``VLLM_DSV4_ATTN_IMPL`` = ``auto`` (default) | ``plugin`` | ``vllm``
     Which DeepSeek-V4 attention layer the model builds: ``plugin`` installs the
     plugin's layer and makes any reason not to (an unsupported vLLM version or
@@ -140,7 +142,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_DSV4_WORKSPACE_DEBUG": _flag("VLLM_DSV4_WORKSPACE_DEBUG", False),
     "VLLM_DSV4_WORKSPACE_LOG_EVERY": _count("VLLM_DSV4_WORKSPACE_LOG_EVERY", 0),
     "VLLM_DSV4_KERNEL": _choice(
-        "VLLM_DSV4_KERNEL", "auto", ("auto", "torch", "vllm_cpu", "flashmla")
+        "VLLM_DSV4_KERNEL", "auto", ("auto", "torch", "vllm_cpu")
     ),
     "VLLM_DSV4_ATTN_IMPL": _choice("VLLM_DSV4_ATTN_IMPL", "auto", ("auto", "plugin", "vllm")),
     "VLLM_DSV4_SKIP_VERSION_CHECK": _flag("VLLM_DSV4_SKIP_VERSION_CHECK", False),

@@ -37,7 +37,7 @@ from vllm_dsv4_backend.formats import fp8_ds_mla
 from vllm_dsv4_backend.formats import indexer_cache as ic
 from vllm_dsv4_backend.ops import compressor as comp_ops
 from vllm_dsv4_backend.ops import indexer as indexer_ops
-from vllm_dsv4_backend.ops import rope, slots
+from vllm_dsv4_backend.ops import rope, slots, torch_sparse_mla
 
 H = 8  # q heads (the tiny model's, unpadded on CPU)
 HI = 64  # indexer heads
@@ -250,7 +250,7 @@ def make_batch(world: World, tokens: list[tuple[int, int]]) -> Batch:
 
 
 class StepOps:
-    """The plugin's torch ops (callers force ``VLLM_DSV4_KERNEL=torch`` for attend)."""
+    """The plugin's torch ops."""
 
     name = "torch"
 
@@ -319,8 +319,13 @@ class StepOps:
         return idx, lens
 
     def attend(self, w: World, b: Batch, q, win_idx, win_lens, glob, lens) -> torch.Tensor:
+        """Sparse MLA of the step's tokens (one query row each) over window + C4 entries,
+        as the layer calls it (no lse)."""
         out = torch.empty(q.shape[0], H, D, dtype=torch.bfloat16)
-        eager.attend(q, w.swa, win_idx, win_lens, w.sink, SCALE, out, w.comp, glob, lens)
+        torch_sparse_mla.sparse_mla_decode(
+            q.unsqueeze(1), w.swa, win_idx.unsqueeze(1), win_lens, w.sink, SCALE, w.comp,
+            glob.unsqueeze(1), lens, out=out.unsqueeze(1), need_lse=False,
+        )
         return out
 
 

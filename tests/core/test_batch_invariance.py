@@ -14,7 +14,7 @@ Two levels:
   alone vs in batches of several sizes and orders;
 - the eager step (``bi_world.run_step``: q-norm + RoPE + SWA insert, indexer q
   quant, both compressor stores, ``eager.select_topk_c4``, window slots,
-  ``eager.attend``) over decode-only, prefill-only and mixed batches, a prefill
+  ``ops.sparse_mla_decode``) over decode-only, prefill-only and mixed batches, a prefill
   split across two calls (chunked prefill) and the short/long-context boundary,
   compared with every token run alone, outputs and final cache bytes.
 
@@ -34,8 +34,8 @@ import torch
 from vllm_dsv4_backend import ops
 from vllm_dsv4_backend.formats import fp8_ds_mla
 from vllm_dsv4_backend.formats import indexer_cache as ic
-from vllm_dsv4_backend.ops import checks, torch_sparse_mla
 from vllm_dsv4_backend.ops import indexer as indexer_ops
+from vllm_dsv4_backend.ops import torch_sparse_mla
 
 # ops/indexer.py indexer_logits: the entry chunk is [j0, min(end, j0 + nc)) with
 # nc = min(width, 4096) and end = the chunk's widest visible count, so the GEMM / GEMV
@@ -44,13 +44,6 @@ from vllm_dsv4_backend.ops import indexer as indexer_ops
 # different N (measured 1-8 fp32 ulp, 310 ulp near zero). Fix (validated against these
 # tests): fixed-width entry tiles, e.g. nc = 512 always, ``ar`` sized to
 # round_up(width, nc), every tile computed in full and its result cut to ``width``.
-
-
-@pytest.fixture(autouse=True)
-def _torch_kernel(monkeypatch):
-    # eager.attend takes the "auto" path, which would be vLLM's C++ kernel on an
-    # AVX512-BF16 machine with vLLM installed; this file tests the torch path.
-    monkeypatch.setenv("VLLM_DSV4_KERNEL", "torch")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -103,7 +96,7 @@ def test_sparse_mla_decode_batch_invariant():
     def run(rows):
         r = torch.tensor(rows)
         return ops.sparse_mla_decode(q[r], swa, wi[r], wl[r], sink, 512**-0.5, comp, ci[r],
-                                     cl[r], kernel="torch")
+                                     cl[r])
 
     solo = [run([i]) for i in range(t)]
     so = torch.cat([o for o, _ in solo])
@@ -148,7 +141,7 @@ def test_sparse_mla_decode_dedup_path_batch_invariant(monkeypatch):
     def run(rows):
         r = torch.tensor(rows)
         return ops.sparse_mla_decode(q[r], swa, wi[r], wl[r], sink, 512**-0.5, comp, ci[r],
-                                     cl[r], kernel="torch")
+                                     cl[r])
 
     solo = [run([i]) for i in range(t)]
     assert taken == [], "a single row must take the entry-wise path"
@@ -174,8 +167,7 @@ def test_sparse_mla_prefill_batch_and_chunk_invariant():
 
     def run(rows):
         r = torch.tensor(rows)
-        return ops.sparse_mla_prefill(q[r], kv, idx[r], 512**-0.5, sink, lens[r],
-                                      kernel="torch")
+        return ops.sparse_mla_prefill(q[r], kv, idx[r], 512**-0.5, sink, lens[r])
 
     solo = [run([i]) for i in range(t)]
     ref = [torch.cat([s[j] for s in solo]) for j in range(3)]
@@ -212,11 +204,9 @@ def test_sparse_mla_padding_width_invariant():
     problems = []
     for n, pad in ((3, 125), (40, 88), (77, 200), (130, 300), (300, 500)):
         ci = torch.randint(0, nb * bs, (t, 1, n), generator=gen, dtype=torch.int32)
-        ro, rl = ops.sparse_mla_decode(q, swa, wi, wl, sink, 0.04, comp, ci, None,
-                                       kernel="torch")
+        ro, rl = ops.sparse_mla_decode(q, swa, wi, wl, sink, 0.04, comp, ci, None)
         cp = torch.cat([ci, torch.full((t, 1, pad), -1, dtype=torch.int32)], -1)
-        po, pl = ops.sparse_mla_decode(q, swa, wi, wl, sink, 0.04, comp, cp, None,
-                                       kernel="torch")
+        po, pl = ops.sparse_mla_decode(q, swa, wi, wl, sink, 0.04, comp, cp, None)
         if not _same(po, ro):
             problems.append(f"width {n}->{n + pad}: out {_diff(po, ro)}")
         if not _same(pl, rl):
@@ -250,16 +240,14 @@ def test_sparse_mla_mixed_widths_padded_batch_invariant() -> None:
         return out
 
     solo = [ops.sparse_mla_decode(q[i : i + 1], swa, wrows[i].view(1, 1, -1), None, sink,
-                                  0.04, comp, crows[i].view(1, 1, -1), None, kernel="torch")
+                                  0.04, comp, crows[i].view(1, 1, -1), None)
             for i in range(t)]
     so = torch.cat([o for o, _ in solo])
     sl = torch.cat([lse for _, lse in solo])
     wi, ci = padded(wrows, 300), padded(crows, 1300)
     problems = []
-    bo, bl = ops.sparse_mla_decode(q, swa, wi, None, sink, 0.04, comp, ci, None, kernel="torch")
-    dims = checks.check_decode_args(q, swa, wi, None, sink, 0.04, comp, ci, None, None, None)
-    to, tl = torch_sparse_mla.sparse_mla_decode_torch(q, swa, wi, None, sink, dims, comp, ci,
-                                                      None, budget_bytes=1)
+    bo, bl = ops.sparse_mla_decode(q, swa, wi, None, sink, 0.04, comp, ci, None)
+    to, tl = ops.sparse_mla_decode(q, swa, wi, None, sink, 0.04, comp, ci, None, budget_bytes=1)
     for label, o, lse in (("padded batch", bo, bl), ("padded, tiny budget", to, tl)):
         if not _same(o, so):
             problems.append(f"decode {label}: out {_diff(o, so)}")
@@ -272,19 +260,17 @@ def test_sparse_mla_mixed_widths_padded_batch_invariant() -> None:
     kv = (torch.randn(s_kv, 1, 512, generator=gen) * 0.6).to(torch.bfloat16)
     pq = q[:, 0]
     prow = [torch.randint(0, s_kv, (n,), generator=gen, dtype=torch.int32) for n in cn]
-    ref = [ops.sparse_mla_prefill(pq[i : i + 1], kv, prow[i].view(1, 1, -1), 0.04, sink,
-                                  kernel="torch") for i in range(t)]
+    ref = [ops.sparse_mla_prefill(pq[i : i + 1], kv, prow[i].view(1, 1, -1), 0.04, sink)
+           for i in range(t)]
     ref = [torch.cat([r[j] for r in ref]) for j in range(3)]
     pidx = padded(prow, 1300)
     pidx[1::3, 0, -50:] = s_kv  # out of range: invalid like -1
     lens = torch.tensor(cn, dtype=torch.int32)
     pidx[2::3, 0, 1200:] = 0  # past topk_length: never read
     for label, got in (
-        ("padded batch", ops.sparse_mla_prefill(pq, kv, pidx, 0.04, sink, lens, kernel="torch")),
-        ("padded, tiny budget", torch_sparse_mla.sparse_mla_prefill_torch(
-            pq, kv, pidx, checks.check_prefill_args(pq, kv, pidx, 0.04, sink, lens, None, None,
-                                                    None),
-            sink, lens, budget_bytes=1)),
+        ("padded batch", ops.sparse_mla_prefill(pq, kv, pidx, 0.04, sink, lens)),
+        ("padded, tiny budget", ops.sparse_mla_prefill(pq, kv, pidx, 0.04, sink, lens,
+                                                       budget_bytes=1)),
     ):
         for j, name in enumerate(("out", "max_logits", "lse")):
             if not _same(got[j], ref[j]):
@@ -439,12 +425,10 @@ def step_runs(request):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("VLLM_DSV4_KERNEL", "torch")
-            world = W.make_world(REQUESTS, dtype, seed=5)
-            opsx = W.StepOps()
-            solo = W.run_schedule(world, W.solo_schedule(world), opsx)
-            runs = {name: W.run_schedule(world, s, opsx) for name, s in SCHEDULES.items()}
+        world = W.make_world(REQUESTS, dtype, seed=5)
+        opsx = W.StepOps()
+        solo = W.run_schedule(world, W.solo_schedule(world), opsx)
+        runs = {name: W.run_schedule(world, s, opsx) for name, s in SCHEDULES.items()}
     finally:
         torch.set_num_threads(threads)
     return dtype, solo, runs

@@ -28,7 +28,6 @@ def _poisoned_cache(num_blocks, block_size, named, g):
 
 @pytest.mark.parametrize("sink", ["finite", "+inf", "-inf"])
 def test_prefill_shaped_decode_matches_oracle(monkeypatch, sink):
-    monkeypatch.setenv("VLLM_DSV4_KERNEL", "torch")
     g = torch.Generator().manual_seed(0)
     t, h, window, bs = 160, 8, 32, 16
     # Window rows: a sliding window over contiguous positions (heavy overlap).

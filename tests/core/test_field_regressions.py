@@ -42,12 +42,6 @@ INT32_MIN = -(2**31)
 DTYPES = ["fp8", "mxfp4"]
 
 
-@pytest.fixture(autouse=True)
-def _torch_kernel(monkeypatch):
-    # eager.attend's "auto" path would take vLLM's C++ kernel where it loads.
-    monkeypatch.setenv("VLLM_DSV4_KERNEL", "torch")
-
-
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
 
 
@@ -55,6 +49,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     """Bit pattern of a float tensor (a bitwise, NaN-safe comparison)."""
     t = t.contiguous()
     return t.view(_INT_VIEW[t.dtype]) if t.dtype in _INT_VIEW else t
+
+
+def _attend(q, swa, win, win_lens, sink, scale, out, comp, glob, glob_lens) -> None:
+    """Sparse MLA of ``T`` tokens (``q`` / ``out`` ``[T, H, 512]``, index lists ``[T, n]``)
+    over window + compressed entries into ``out``, without the lse: the CPU layer's call."""
+    ops.sparse_mla_decode(q.unsqueeze(1), swa, win.unsqueeze(1), win_lens, sink, scale, comp,
+                          glob.unsqueeze(1), glob_lens, out=out.unsqueeze(1), need_lse=False)
 
 
 def _storage(t: torch.Tensor) -> torch.Tensor:
@@ -164,7 +165,8 @@ def test_zero_visible_select_topk_c4(dtype, scored):
 def test_empty_rows_attend_zero_over_poisoned_caches():
     """Rows with no valid entry (all -1, or lengths 0 over indices that name poisoned
     slots) give out = 0 and lse = +inf, never NaN: decode with window + compressed caches,
-    eager.attend, and prefill over a NaN KV buffer."""
+    with and without the lse (the layer's call, into a NaN-filled ``out``), and prefill over
+    a NaN KV buffer."""
     gen = torch.Generator().manual_seed(3)
     h, t = 8, 4
     swa = fp8_ds_mla.allocate_cache(3, 64, fill=POISON)
@@ -175,16 +177,16 @@ def test_empty_rows_attend_zero_over_poisoned_caches():
     zeros = torch.zeros(t, dtype=torch.int32)
     minus = torch.full((t, 1, 128), -1, dtype=torch.int32)
     for wi, wl, ci, cl in ((minus, None, minus, None), (named, zeros, named, zeros)):
-        o, lse = ops.sparse_mla_decode(q, swa, wi, wl, sink, 0.04, comp, ci, cl, kernel="torch")
+        o, lse = ops.sparse_mla_decode(q, swa, wi, wl, sink, 0.04, comp, ci, cl)
         assert bool((o.float() == 0).all()), "empty row must be exactly 0"
         assert bool((lse == math.inf).all())
     out = torch.full((t, h, 512), math.nan, dtype=torch.bfloat16)
-    eager.attend(q[:, 0], swa, named[:, 0], zeros, sink, 0.04, out, comp, named[:, 0], zeros)
+    _attend(q[:, 0], swa, named[:, 0], zeros, sink, 0.04, out, comp, named[:, 0], zeros)
     assert bool((out.float() == 0).all())
     kv = torch.full((50, 1, 512), math.nan, dtype=torch.bfloat16)
     pidx = torch.randint(0, 50, (t, 1, 64), generator=gen, dtype=torch.int32)
     for idx, tl in ((torch.full_like(pidx, -1), None), (pidx, zeros)):
-        o, ml, lse = ops.sparse_mla_prefill(q[:, 0], kv, idx, 0.04, sink, tl, kernel="torch")
+        o, ml, lse = ops.sparse_mla_prefill(q[:, 0], kv, idx, 0.04, sink, tl)
         assert bool((o.float() == 0).all()) and bool((ml == -math.inf).all())
         assert bool((lse == math.inf).all())
 
@@ -235,15 +237,13 @@ def test_empty_batch_through_every_op(dtype):
                                        block_table=bt, block_size=2, compress_ratio=128,
                                        arange=torch.arange(128, dtype=torch.int32))
     out = torch.empty(0, 8, 512, dtype=torch.bfloat16)
-    eager.attend(q, swa, win, lens, torch.zeros(8), 0.04, out, comp, glob, lens)
+    _attend(q, swa, win, lens, torch.zeros(8), 0.04, out, comp, glob, lens)
     o, lse = ops.sparse_mla_decode(torch.zeros(0, 1, 8, 512, dtype=torch.bfloat16), swa,
-                                   torch.zeros(0, 1, 128, dtype=torch.int32), e32, None, 0.04,
-                                   kernel="torch")
+                                   torch.zeros(0, 1, 128, dtype=torch.int32), e32, None, 0.04)
     assert o.shape == (0, 1, 8, 512) and lse.shape == (0, 8, 1)
     o, ml, lse = ops.sparse_mla_prefill(torch.zeros(0, 8, 512, dtype=torch.bfloat16),
                                         torch.zeros(3, 1, 512, dtype=torch.bfloat16),
-                                        torch.zeros(0, 1, 64, dtype=torch.int32), 0.04,
-                                        kernel="torch")
+                                        torch.zeros(0, 1, 64, dtype=torch.int32), 0.04)
     assert o.shape == (0, 8, 512) and ml.shape == (0, 8)
     fp8_ds_mla.quantize_and_insert(torch.zeros(0, 512, dtype=torch.bfloat16), swa, e64)
     ic.quantize_and_insert(torch.zeros(0, 128), ind, e64, dtype)
@@ -317,10 +317,8 @@ def test_entries_past_lengths_are_never_read():
                                                      dtype=torch.int32), ci)
     wi_m = wi.masked_fill(wpast[:, None], -1)
     ci_m = ci.masked_fill(cpast[:, None], -1)
-    ref, rl = ops.sparse_mla_decode(q, swa, wi_m, None, sink, 0.04, comp, ci_m, None,
-                                    kernel="torch")
-    got, gl = ops.sparse_mla_decode(q, swa, wi_p, wl, sink, 0.04, comp, ci_p, cl,
-                                    kernel="torch")
+    ref, rl = ops.sparse_mla_decode(q, swa, wi_m, None, sink, 0.04, comp, ci_m, None)
+    got, gl = ops.sparse_mla_decode(q, swa, wi_p, wl, sink, 0.04, comp, ci_p, cl)
     assert torch.isfinite(got.float()).all()
     assert torch.equal(_bits(got), _bits(ref)) and torch.equal(_bits(gl), _bits(rl))
     kv = torch.randn(300, 1, 512, generator=gen).to(torch.bfloat16)
@@ -330,9 +328,8 @@ def test_entries_past_lengths_are_never_read():
     past = torch.arange(96) >= tl[:, None]
     p_poison = torch.where(past[:, None], torch.randint(200, 300, pidx.shape, generator=gen,
                                                         dtype=torch.int32), pidx)
-    ro = ops.sparse_mla_prefill(q[:, 0], kv, pidx.masked_fill(past[:, None], -1), 0.04, sink,
-                                kernel="torch")
-    go = ops.sparse_mla_prefill(q[:, 0], kv, p_poison, 0.04, sink, tl, kernel="torch")
+    ro = ops.sparse_mla_prefill(q[:, 0], kv, pidx.masked_fill(past[:, None], -1), 0.04, sink)
+    go = ops.sparse_mla_prefill(q[:, 0], kv, p_poison, 0.04, sink, tl)
     for a, b in zip(ro, go):
         assert torch.equal(_bits(a), _bits(b))
     assert torch.isfinite(go[0].float()).all()
@@ -705,8 +702,7 @@ def test_584_bytes_per_entry_in_every_group(group, entries):
         fp8_ds_mla.cache_layout(wrong)
     with pytest.raises(ValueError, match="584"):
         ops.sparse_mla_decode(torch.zeros(1, 1, 8, 512, dtype=torch.bfloat16), wrong,
-                              torch.zeros(1, 1, 4, dtype=torch.int32), None, None, 0.04,
-                              kernel="torch")
+                              torch.zeros(1, 1, 4, dtype=torch.int32), None, None, 0.04)
 
 
 # ==========================================================================================

@@ -35,7 +35,7 @@ C++ kernels and the served tiny model):
 
 - ``eager``: the plugin's torch ops as the eager region runs them (``rope``,
   ``ops.indexer``, ``ops.compressor``, ``eager.select_topk_c4``, ``ops.slots``,
-  ``eager.attend`` on the torch sparse-MLA path);
+  ``ops.torch_sparse_mla.sparse_mla_decode``);
 - ``fallback``: vLLM's ``torch.ops._C`` call convention (the ops and arguments the CPU
   layer passes) served by the plugin's registered torch fallbacks
   (``vllm_compat.cpu_ops.OPS``), which the layer runs on CPUs without AVX512-BF16.
@@ -66,7 +66,7 @@ from vllm_dsv4_backend.formats import fp8_ds_mla
 from vllm_dsv4_backend.formats import indexer_cache as ic
 from vllm_dsv4_backend.ops import compressor as comp_ops
 from vllm_dsv4_backend.ops import indexer as indexer_ops
-from vllm_dsv4_backend.ops import rope, slots
+from vllm_dsv4_backend.ops import rope, slots, torch_sparse_mla
 
 H = 8  # q heads (the tiny model's)
 HI = 64  # indexer heads
@@ -352,9 +352,11 @@ class EagerOps:
                comp: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         out = torch.empty(q.shape[0], H, D, dtype=torch.bfloat16)
         cache = None if comp is None else w.caches[f"comp{RATIO[kind]}"]
-        eager.attend(q, w.caches["swa"], win[0], win[1], w.par["sink"], SCALE, out, cache,
-                     None if comp is None else comp[0], None if comp is None else comp[1],
-                     kernel="torch")
+        torch_sparse_mla.sparse_mla_decode(
+            q.unsqueeze(1), w.caches["swa"], win[0].unsqueeze(1), win[1], w.par["sink"], SCALE,
+            cache, None if comp is None else comp[0].unsqueeze(1),
+            None if comp is None else comp[1], out=out.unsqueeze(1), need_lse=False,
+        )
         return out
 
 
@@ -693,11 +695,6 @@ def failures(findings: list[tuple[int, Finding]]) -> list[str]:
 # ------------------------------------------------------------------------------------------
 # tests
 # ------------------------------------------------------------------------------------------
-@pytest.fixture(autouse=True)
-def _torch_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("VLLM_DSV4_KERNEL", "torch")
-
-
 def test_compressor_oracle_matches_test_compressor_store_oracle() -> None:
     """The vectorized compressor oracle equals ``test_compressor_store.oracle_entry``
     (C4 with its overlap and first window, C128)."""

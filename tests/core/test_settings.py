@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """``envs.py`` is the one reader of ``VLLM_DSV4_*``: a bad value of any setting
 raises the same error from envs and from every torch-only reader (workspace
-manager, kernel selection, test hooks), and no other module reads them."""
+manager, step counters, test hooks), and no other module reads them."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from vllm_dsv4_backend import envs, ops, testing
+from vllm_dsv4_backend import envs, testing
 from vllm_dsv4_backend.workspace import (
     POLICIES,
     WorkspaceConfig,
@@ -53,7 +53,8 @@ def _sink_layer() -> Any:
 
 
 # The torch-only readers of each setting (the vLLM glue's readers, plugin.py,
-# version.py and loader.py, call the same envs attributes; tests/vllm covers them).
+# version.py, loader.py and layer/cpu.py (VLLM_DSV4_KERNEL), call the same envs
+# attributes; tests/vllm covers them).
 READERS: dict[str, list[Any]] = {
     "VLLM_DSV4_WORKSPACE": [
         lambda: WorkspaceManager(_config()),
@@ -66,11 +67,6 @@ READERS: dict[str, list[Any]] = {
     "VLLM_DSV4_WORKSPACE_LOG_EVERY": [
         lambda: __import__("vllm_dsv4_backend.layer.core", fromlist=["core"]).StepHolder(
             WorkspaceManager(_config(), policy="shared", debug=False), "layers.0"),
-    ],
-    "VLLM_DSV4_KERNEL": [
-        lambda: ops.kernel_path("cpu"),
-        lambda: ops.kernel_path("cpu", "prefill"),
-        lambda: ops.requested_kernel(),
     ],
     "VLLM_DSV4_TEST_UNSAFE_NO_FENCES": [lambda: testing.fences_enabled()],
     "VLLM_DSV4_TEST_PERTURB_SINK": [lambda: testing.after_layer_loaded(_sink_layer())],
@@ -105,21 +101,12 @@ def test_workspace_debug_maybe_is_not_silently_off(monkeypatch: pytest.MonkeyPat
 
 
 def test_explicit_arguments_override_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("VLLM_DSV4_KERNEL", "flashmla")
     monkeypatch.setenv("VLLM_DSV4_WORKSPACE", "off")
-    assert ops.kernel_path("cpu", kernel="torch") == "torch"
     assert WorkspaceManager(_config(), policy="private", debug=False).policy == "private"
-    with pytest.raises(ValueError, match="kernel: expected one of"):
-        ops.kernel_path("cpu", kernel="bogus")
-    with pytest.raises(RuntimeError, match="kernel='flashmla', but FlashMLA cannot run"):
-        ops.kernel_path("cpu", kernel="flashmla")
 
 
 def test_choices_agree_with_envs(monkeypatch: pytest.MonkeyPatch) -> None:
     # The explicit-argument checks and the settings accept the same values.
-    for kernel in ops.KERNEL_CHOICES:
-        monkeypatch.setenv("VLLM_DSV4_KERNEL", kernel)
-        assert kernel == envs.VLLM_DSV4_KERNEL
     for policy in POLICIES:
         monkeypatch.setenv("VLLM_DSV4_WORKSPACE", policy)
         assert policy == envs.VLLM_DSV4_WORKSPACE

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Sparse MLA decode / prefill against the float64 oracle (FlashMLA semantics and tolerance
-rule), NaN-poisoned caches, adversarial indices, sinks at +-inf, dispatch, custom ops, and
-vLLM's C++ CPU kernel as an independent implementation where it can run."""
+"""The plugin's torch sparse MLA decode / prefill against the float64 oracle (FlashMLA
+semantics and tolerance rule), NaN-poisoned caches, adversarial indices, sinks at +-inf, and
+vLLM's C++ CPU kernel (through ``ops.vllm_cpu``'s FlashMLA-interface adapter) as an
+independent implementation where it can run."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_dsv4_backend import ops
 from vllm_dsv4_backend.formats import fp8_ds_mla as F
-from vllm_dsv4_backend.ops import checks, torch_sparse_mla, vllm_cpu
+from vllm_dsv4_backend.ops import torch_sparse_mla, vllm_cpu
 
 SCALE = 512**-0.55  # FlashMLA's decode test scale (d_qk ** -0.55)
 
@@ -37,11 +38,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-@pytest.fixture(autouse=True)
-def _torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("VLLM_DSV4_KERNEL", "torch")
 
 
 class CountAllocs(TorchDispatchMode):
@@ -164,7 +160,6 @@ def test_decode_matches_oracle(geometry: int, h: int, s_q: int) -> None:
     main, extra = DECODE_GEOMETRIES[geometry]
     case = make_decode_case(1000 * geometry + 10 * h + s_q, 4, s_q, h, main, extra)
     out, lse = ops.sparse_mla_decode(*case.args())
-    assert ops.last_path() == "torch"
     check_decode(case, out, lse)
     # The fully invalid batch row: out 0, lse +inf.
     assert bool((out[1] == 0).all()) and bool(torch.isposinf(lse[1]).all())
@@ -195,9 +190,8 @@ def test_decode_online_softmax_segments() -> None:
                             (64, 6, 192, False, "random"))
     (c1, i1, l1), (c2, i2, l2) = case.caches
     i1[0, 0, :200] = -1
-    dims = checks.check_decode_args(case.q, c1, i1, l1, case.sink, SCALE, c2, i2, l2, None, None)
-    out, lse = torch_sparse_mla.sparse_mla_decode_torch(
-        case.q, c1, i1, l1, case.sink, dims, c2, i2, l2, budget_bytes=1 << 19)
+    out, lse = ops.sparse_mla_decode(
+        case.q, c1, i1, l1, case.sink, SCALE, c2, i2, l2, budget_bytes=1 << 19)
     check_decode(case, out, lse)
     full_out, full_lse = ops.sparse_mla_decode(*case.args())
     assert torch.equal(out, full_out) and torch.equal(lse, full_lse)
@@ -359,7 +353,6 @@ def check_prefill(q, kv, idx, sm_scale, sink, lens, out, ml, lse) -> None:
 def test_prefill_matches_oracle(s_kv: int, topk: int, h: int, s_q: int) -> None:
     q, kv, idx, sink, lens = make_prefill_case(s_kv + topk + h + s_q, s_q, h, s_kv, topk)
     out, ml, lse = ops.sparse_mla_prefill(q, kv, idx, 0.5, sink, lens)
-    assert ops.last_path("prefill") == "torch"
     check_prefill(q, kv, idx, 0.5, sink, lens, out, ml, lse)
     assert bool((out[0] == 0).all())
     assert bool(torch.isneginf(ml[0]).all()) and bool(torch.isposinf(lse[0]).all())
@@ -369,8 +362,7 @@ def test_prefill_without_sink_or_lengths_and_segments() -> None:
     q, kv, idx, _, _ = make_prefill_case(1, 8, 64, 300, 512, with_len=False, sink=False)
     out, ml, lse = ops.sparse_mla_prefill(q, kv, idx, 0.5)
     check_prefill(q, kv, idx, 0.5, None, None, out, ml, lse)
-    dims = checks.check_prefill_args(q, kv, idx, 0.5, None, None, None, None, None)
-    o2, m2, l2 = torch_sparse_mla.sparse_mla_prefill_torch(q, kv, idx, dims, budget_bytes=1 << 19)
+    o2, m2, l2 = ops.sparse_mla_prefill(q, kv, idx, 0.5, budget_bytes=1 << 19)
     check_prefill(q, kv, idx, 0.5, None, None, o2, m2, l2)
     # A smaller budget only chunks the rows: the same bits.
     assert torch.equal(o2, out) and torch.equal(m2, ml) and torch.equal(l2, lse)
@@ -499,169 +491,6 @@ def test_prefill_bad_inputs(name: str, value, match: str) -> None:
         ops.sparse_mla_prefill(**kw)
 
 
-def test_flashmla_constraint_checks() -> None:
-    """FlashMLA-only constraints, checked on CPU tensors (no GPU needed)."""
-    kw = _decode_args()
-    for h, topk, match in [(32, 64, r"h_q in \(64, 128\)"), (64, 100, "multiple of 64")]:
-        q = torch.zeros(2, 1, h, 512, dtype=torch.bfloat16)
-        idx = torch.zeros(2, 1, topk, dtype=torch.int32)
-        dims = checks.check_decode_args(q, kw["k_cache"], idx, None, None, SCALE, None, None,
-                                        None, None, None)
-        with pytest.raises(ValueError, match=match):
-            checks.check_flashmla_decode(q, kw["k_cache"], dims, None, (9, 0))
-    unpadded = F.allocate_cache(2, 64, padded=False)
-    dims = checks.check_decode_args(kw["q"], unpadded, kw["indices"], None, None, SCALE, None,
-                                    None, None, None, None)
-    checks.check_flashmla_decode(kw["q"], unpadded, dims, None, (9, 0))  # fine on SM90
-    with pytest.raises(ValueError, match=r"stride\(0\) to be a multiple of 576"):
-        checks.check_flashmla_decode(kw["q"], unpadded, dims, None, (10, 0))
-    q_strided = torch.zeros(2, 1, 64, 1024, dtype=torch.bfloat16)[..., ::2]
-    dims = checks.check_decode_args(q_strided, kw["k_cache"], kw["indices"], None, None, SCALE,
-                                    None, None, None, None, None)
-    with pytest.raises(ValueError, match="last dim contiguous"):
-        checks.check_flashmla_decode(q_strided, kw["k_cache"], dims, None, (9, 0))
-    pk = _prefill_args()
-    pdims = checks.check_prefill_args(pk["q"], pk["kv"], pk["indices"], 0.5, None, None, None,
-                                      None, None)
-    checks.check_flashmla_prefill(pk["q"], pk["kv"], pdims, (10, 0))  # topk 64 ok on SM100 h64
-    with pytest.raises(ValueError, match="multiple of 128"):
-        checks.check_flashmla_prefill(pk["q"], pk["kv"], pdims, (9, 0))
-
-
-def test_flashmla_glue_with_recording_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The FlashMLA path's argument translation (3-D caches get FlashMLA's head axis, the
-    extra cache and lengths under FlashMLA's names, ``out=`` passed when the kernel takes it,
-    results landing in ``out`` / ``lse_out``) against recording stand-ins for FlashMLA's entry
-    points, so it is exercised without a GPU."""
-    from vllm_dsv4_backend.ops import flashmla
-
-    seen: dict[str, dict] = {}
-    meta = object()
-
-    def with_kvcache(**kw):
-        seen["decode"] = kw
-        b, s_q, h, _ = kw["q"].shape
-        return kw["out"].fill_(1), torch.full((b, h, s_q), 2.0)
-
-    def sparse_fwd(**kw):
-        seen["prefill"] = kw
-        s_q, h, _ = kw["q"].shape
-        return (torch.full((s_q, h, 512), 3.0, dtype=torch.bfloat16),
-                torch.full((s_q, h), 4.0), torch.full((s_q, h), 5.0))
-
-    decode_params = frozenset({
-        "q", "k_cache", "block_table", "cache_seqlens", "head_dim_v", "tile_scheduler_metadata",
-        "softmax_scale", "causal", "is_fp8_kvcache", "indices", "attn_sink", "extra_k_cache",
-        "extra_indices_in_kvcache", "topk_length", "extra_topk_length", "out"})
-    fns = flashmla.FlashMLAFns("recording", with_kvcache, sparse_fwd, lambda: (meta, None),
-                               decode_params, frozenset())
-    monkeypatch.setattr(flashmla, "available", lambda dev: (True, "recording"))
-    monkeypatch.setattr(flashmla, "capability", lambda dev: (10, 0))
-    monkeypatch.setattr(flashmla, "load", lambda: (fns, "recording"))
-
-    q = torch.randn(2, 1, 64, 512).bfloat16()
-    k_cache, extra = F.allocate_cache(2, 64), F.allocate_cache(3, 2)
-    idx, eidx = (torch.zeros(2, 1, 64, dtype=torch.int32) for _ in range(2))
-    lens = torch.full((2,), 64, dtype=torch.int32)
-    elens = torch.full((2,), 3, dtype=torch.int32)
-    sink = torch.zeros(64)
-    out = torch.zeros(2, 1, 64, 512, dtype=torch.bfloat16)
-    lse_out = torch.zeros(2, 64, 1)
-    o, lse = ops.sparse_mla_decode(q, k_cache, idx, lens, sink, SCALE, extra, eidx, elens,
-                                   out=out, lse_out=lse_out, kernel="flashmla")
-    assert ops.last_path("decode") == "flashmla"
-    kw = seen["decode"]
-    assert kw["q"] is q and kw["indices"] is idx and kw["topk_length"] is lens
-    assert kw["attn_sink"] is sink and kw["softmax_scale"] == SCALE
-    assert kw["extra_indices_in_kvcache"] is eidx and kw["extra_topk_length"] is elens
-    for name, cache in (("k_cache", k_cache), ("extra_k_cache", extra)):
-        assert kw[name].shape == (*cache.shape[:2], 1, 584)
-        assert kw[name].data_ptr() == cache.data_ptr()
-    assert kw["tile_scheduler_metadata"] is meta and kw["out"] is out and "use_legacy" not in kw
-    assert o is out and bool((out == 1).all()) and lse is lse_out and bool((lse_out == 2).all())
-
-    pq = torch.randn(4, 64, 512).bfloat16()
-    kv = torch.randn(10, 1, 512).bfloat16()
-    pidx = torch.zeros(4, 1, 64, dtype=torch.int32)
-    po, ml, pl = ops.sparse_mla_prefill(pq, kv, pidx, 0.5, sink, kernel="flashmla")
-    assert ops.last_path("prefill") == "flashmla"
-    assert seen["prefill"] == dict(q=pq, kv=kv, indices=pidx, sm_scale=0.5, d_v=512,
-                                   attn_sink=sink, topk_length=None)
-    assert bool((po == 3).all()) and bool((ml == 4).all()) and bool((pl == 5).all())
-
-
-# --------------------------------------------------------------------------------------------
-# dispatch and custom ops
-# --------------------------------------------------------------------------------------------
-def test_kernel_env_and_forced_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    case = make_decode_case(4, 2, 1, 64, (64, 4, 64, True, "none"), None)
-    monkeypatch.setenv("VLLM_DSV4_KERNEL", "bogus")
-    with pytest.raises(ValueError, match="VLLM_DSV4_KERNEL: expected one of"):
-        ops.sparse_mla_decode(*case.args())
-    monkeypatch.setenv("VLLM_DSV4_KERNEL", "flashmla")
-    with pytest.raises(RuntimeError, match="FlashMLA cannot run here"):
-        ops.sparse_mla_decode(*case.args())
-    monkeypatch.setenv("VLLM_DSV4_KERNEL", "vllm_cpu")
-    with pytest.raises(RuntimeError, match="does not return the lse"):
-        ops.sparse_mla_decode(*case.args())
-    with pytest.raises(RuntimeError, match="no sparse prefill"):
-        ops.kernel_path("cpu", "prefill")
-    if not vllm_cpu.load()[0]:
-        with pytest.raises(RuntimeError, match="vLLM's C\\+\\+ kernel cannot run"):
-            ops.sparse_mla_decode(*case.args(), need_lse=False)
-    monkeypatch.setenv("VLLM_DSV4_KERNEL", "auto")
-    assert ops.kernel_path("cpu") == "torch"
-    assert ops.kernel_path("cpu", "prefill") == "torch"
-    expect = "vllm_cpu" if vllm_cpu.load()[0] else "torch"
-    assert ops.kernel_path("cpu", need_lse=False) == expect
-    with pytest.raises(ValueError, match="op: expected"):
-        ops.kernel_path("cpu", "encode")
-    out, lse = ops.sparse_mla_decode(*case.args())
-    assert ops.last_path() == "torch"
-    check_decode(case, out, lse)
-
-
-def test_custom_ops_registered_and_opcheck() -> None:
-    """``torch.ops.vllm_dsv4.*`` give the same results as the Python API, and
-    ``torch.library.opcheck`` validates their schemas (declared mutations), fake impls and
-    AOT dispatch."""
-    case = make_decode_case(6, 2, 2, 64, (64, 4, 64, True, "random"),
-                            (2, 50, 64, True, "random"), noncontig_q=False)
-    out = torch.empty(case.q.shape, dtype=torch.bfloat16)
-    lse = torch.empty(2, 64, 2)
-    scratch = torch.empty(ops.decode_scratch_nbytes(2, 2, 64, 64, 64), dtype=torch.uint8)
-    torch.ops.vllm_dsv4.sparse_mla_decode(*case.args(), out, lse, scratch)
-    ref_out, ref_lse = ops.sparse_mla_decode(*case.args())
-    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
-    res = torch.library.opcheck(torch.ops.vllm_dsv4.sparse_mla_decode.default,
-                                (*case.args(), out, lse, scratch))
-    assert set(res.values()) == {"SUCCESS"}, res
-    q, kv, idx, sink, lens = make_prefill_case(8, 5, 64, 100, 64)
-    q = q.contiguous()
-    po, pm, pl = (torch.empty(5, 64, 512, dtype=torch.bfloat16), torch.empty(5, 64),
-                  torch.empty(5, 64))
-    torch.ops.vllm_dsv4.sparse_mla_prefill(q, kv, idx, 0.5, sink, lens, po, pm, pl)
-    check_prefill(q, kv, idx, 0.5, sink, lens, po, pm, pl)
-    res = torch.library.opcheck(torch.ops.vllm_dsv4.sparse_mla_prefill.default,
-                                (q, kv, idx, 0.5, sink, lens, po, pm, pl, None))
-    assert set(res.values()) == {"SUCCESS"}, res
-
-
-def test_torch_compile_routes_through_custom_op() -> None:
-    case = make_decode_case(12, 2, 1, 64, (64, 4, 64, True, "random"), None,
-                            noncontig_q=False)
-
-    def fn(q, cache, idx, lens, sink):
-        out, lse = ops.sparse_mla_decode(q, cache, idx, lens, sink, SCALE)
-        return out.float().sum(-1), lse
-
-    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
-    args = (case.q, *case.caches[0], case.sink)
-    got = compiled(*args)
-    want = fn(*args)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-
-
 # --------------------------------------------------------------------------------------------
 # vLLM's C++ CPU kernel as an independent implementation (where it can run)
 # --------------------------------------------------------------------------------------------
@@ -671,18 +500,14 @@ CPP_OUT_TOL = {"abs_tol": 2e-3, "rel_tol": 2.01 / 128, "cos_tol": 1e-5}
 @pytest.mark.parametrize("geometry", range(len(DECODE_GEOMETRIES)))
 @pytest.mark.parametrize("h", [64, 128])
 @pytest.mark.parametrize("s_q", [1, 2])
-def test_decode_vs_vllm_cpp_kernel(monkeypatch: pytest.MonkeyPatch, geometry: int, h: int,
-                                   s_q: int) -> None:
+def test_decode_vs_vllm_cpp_kernel(geometry: int, h: int, s_q: int) -> None:
     ok, why = vllm_cpu.load()
     if not ok:
         pytest.skip(f"vLLM's C++ flash_mla_with_kvcache_cpu unavailable: {why}")
     main, extra = DECODE_GEOMETRIES[geometry]
     case = make_decode_case(1000 * geometry + 10 * h + s_q, 4, s_q, h, main, extra)
-    monkeypatch.setenv("VLLM_DSV4_KERNEL", "vllm_cpu")
-    out, lse = ops.sparse_mla_decode(*case.args(), need_lse=False)
-    assert lse is None and ops.last_path() == "vllm_cpu"
+    out = vllm_cpu.sparse_mla_decode_vllm_cpu(*case.args())
     check_decode(case, out, None, out_tol=CPP_OUT_TOL)
-    monkeypatch.setenv("VLLM_DSV4_KERNEL", "torch")
     ours, _ = ops.sparse_mla_decode(*case.args())
     assert_flashmla_close(out, ours.double(), name="C++ vs torch", **CPP_OUT_TOL)
 
@@ -729,34 +554,38 @@ def _emulated_cpp_kernel(out, q, w_cache_2d, w_slots, w_bs, c_cache_2d, c_slots,
 @pytest.mark.parametrize("geometry", range(len(DECODE_GEOMETRIES)))
 def test_vllm_cpu_adapter_with_emulated_kernel(monkeypatch: pytest.MonkeyPatch,
                                                geometry: int) -> None:
-    """The vllm_cpu path's translation (s_q folded into tokens, lengths written as -1, int64
-    slots, padded 2-D cache views, sink None -> -inf, strided out) against an emulation of the
-    C++ kernel, so it is exercised even where vLLM's AVX512-BF16 library cannot run."""
+    """The vllm_cpu adapter's translation (s_q folded into tokens, lengths written as -1,
+    int64 slots, padded 2-D cache views, sink None -> -inf, strided out) against an emulation
+    of the C++ kernel, so it is exercised even where vLLM's AVX512-BF16 library cannot run."""
     monkeypatch.setattr(vllm_cpu, "load", lambda: (True, "emulated"))
     monkeypatch.setattr(vllm_cpu, "cpp_op", lambda: _emulated_cpp_kernel)
-    monkeypatch.setenv("VLLM_DSV4_KERNEL", "vllm_cpu")
     main, extra = DECODE_GEOMETRIES[geometry]
     for sink_kind in ("mixed", "none"):
         case = make_decode_case(50 + geometry, 3, 2, 64, main, extra, sink_kind=sink_kind)
-        out, lse = ops.sparse_mla_decode(*case.args(), need_lse=False)
-        assert lse is None and ops.last_path() == "vllm_cpu"
+        out = vllm_cpu.sparse_mla_decode_vllm_cpu(*case.args())
         check_decode(case, out, None)
     big = torch.zeros(3, 2, 72, 512, dtype=torch.bfloat16)
-    ops.sparse_mla_decode(*case.args(), need_lse=False, out=big[:, :, 8:])
+    vllm_cpu.sparse_mla_decode_vllm_cpu(*case.args(), out=big[:, :, 8:])
     assert torch.equal(big[:, :, 8:], out) and bool((big[:, :, :8] == 0).all())
-    # auto picks the C++ kernel for CPU decode without lse, the torch path otherwise.
-    monkeypatch.setenv("VLLM_DSV4_KERNEL", "auto")
-    assert ops.kernel_path("cpu", need_lse=False) == "vllm_cpu"
-    ops.sparse_mla_decode(*case.args())
-    assert ops.last_path() == "torch"
-    # Out-of-range ids are rejected before reaching the kernel (it would skip them).
+    # Bad arguments and out-of-range ids are rejected before reaching the kernel (it would
+    # skip such ids).
     bad = case.caches[0][1].clone()
     bad[0, 0, 0] = -5
     args = list(case.args())
     args[2] = bad
-    monkeypatch.setenv("VLLM_DSV4_KERNEL", "vllm_cpu")
     with pytest.raises(ValueError, match=r"indices: expected slot ids in \[-1, "):
-        ops.sparse_mla_decode(*args, need_lse=False)
+        vllm_cpu.sparse_mla_decode_vllm_cpu(*args)
+    args[2] = bad.long()
+    with pytest.raises(ValueError, match="indices: int32 is required"):
+        vllm_cpu.sparse_mla_decode_vllm_cpu(*args)
+
+
+def test_vllm_cpu_adapter_refuses_when_kernel_cannot_load(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    case = make_decode_case(4, 2, 1, 64, (64, 4, 64, True, "none"), None)
+    monkeypatch.setattr(vllm_cpu, "load", lambda: (False, "no AVX512-BF16 here"))
+    with pytest.raises(RuntimeError, match="cannot run: no AVX512-BF16 here"):
+        vllm_cpu.sparse_mla_decode_vllm_cpu(*case.args())
 
 
 def test_vllm_cpu_ignores_plugin_fallback_ops(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -783,9 +612,8 @@ def test_nonfinite_entry_of_one_row_does_not_spread_to_others() -> None:
     F.quantize_and_insert(torch.randn(2, 512).bfloat16(), cache, torch.tensor([0, 1]))
     q = torch.randn(2, 1, 8, 512).bfloat16()
     idx = torch.tensor([[[0, 1, 5]], [[0, 1, -1]]], dtype=torch.int32)
-    out, _ = ops.sparse_mla_decode(q, cache, idx, None, None, 512**-0.5, kernel="torch")
-    alone, _ = ops.sparse_mla_decode(q[1:], cache, idx[1:], None, None, 512**-0.5,
-                                     kernel="torch")
+    out, _ = ops.sparse_mla_decode(q, cache, idx, None, None, 512**-0.5)
+    alone, _ = ops.sparse_mla_decode(q[1:], cache, idx[1:], None, None, 512**-0.5)
     assert torch.isnan(out[0]).all()  # row 0 named the NaN slot itself
     assert torch.isfinite(out[1]).all()
     assert torch.equal(out[1], alone[0])
@@ -794,7 +622,7 @@ def test_nonfinite_entry_of_one_row_does_not_spread_to_others() -> None:
     kv[5] = float("nan")
     qp = torch.randn(2, 8, 512).bfloat16()
     pidx = torch.tensor([[[0, 1, 5]], [[0, 1, -1]]], dtype=torch.int32)
-    pout, _, _ = ops.sparse_mla_prefill(qp, kv, pidx, 512**-0.5, kernel="torch")
-    palone, _, _ = ops.sparse_mla_prefill(qp[1:], kv, pidx[1:], 512**-0.5, kernel="torch")
+    pout, _, _ = ops.sparse_mla_prefill(qp, kv, pidx, 512**-0.5)
+    palone, _, _ = ops.sparse_mla_prefill(qp[1:], kv, pidx[1:], 512**-0.5)
     assert torch.isfinite(pout[1]).all()
     assert torch.equal(pout[1], palone[0])

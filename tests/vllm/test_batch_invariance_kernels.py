@@ -30,11 +30,11 @@ pytest.importorskip("vllm")
 
 from _helpers import load_core_module  # noqa: E402  (tests/vllm is on sys.path)
 
-from vllm_dsv4_backend import eager  # noqa: E402
 from vllm_dsv4_backend.formats import fp8_ds_mla  # noqa: E402
 from vllm_dsv4_backend.formats import indexer_cache as ic  # noqa: E402
 from vllm_dsv4_backend.ops import compressor as comp_ops  # noqa: E402
 from vllm_dsv4_backend.ops import indexer as indexer_ops  # noqa: E402
+from vllm_dsv4_backend.ops import vllm_cpu  # noqa: E402
 from vllm_dsv4_backend.vllm_compat import cpu_ops  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -430,12 +430,13 @@ def test_eager_step_on_vllm_kernels_batch_invariant(kernel_runs, schedule):
         assert not torch.isnan(row["out"].float()).any(), key
 
 
-def test_eager_attend_auto_path_batch_invariant(C, monkeypatch):
-    """eager.attend with VLLM_DSV4_KERNEL=auto takes vLLM's C++ kernel here
-    (ops.last_path() == "vllm_cpu"): rows alone vs batched, bit for bit."""
-    from vllm_dsv4_backend import ops
-
-    monkeypatch.setenv("VLLM_DSV4_KERNEL", "auto")
+def test_vllm_cpu_adapter_batch_invariant(C):
+    """vLLM's C++ kernel through the plugin's FlashMLA-interface adapter
+    (``ops.vllm_cpu.sparse_mla_decode_vllm_cpu``: per-row lengths applied as -1 slots,
+    index tables widened to int64): rows alone vs batched, bit for bit."""
+    ok, reason = vllm_cpu.load()
+    if not ok:
+        pytest.skip(reason)
     gen = torch.Generator().manual_seed(36)
     nb, bs, t, h = 24, 64, 20, 8
     swa, comp = _caches(gen, nb, bs)
@@ -449,14 +450,15 @@ def test_eager_attend_auto_path_batch_invariant(C, monkeypatch):
     def run(rows):
         r = torch.tensor(rows)
         out = torch.empty(len(rows), h, 512, dtype=torch.bfloat16)
-        eager.attend(q[r], swa, wi[r], wl[r], sink, 0.04, out, comp, ci[r], cl[r])
-        assert ops.last_path("decode") == "vllm_cpu"
+        vllm_cpu.sparse_mla_decode_vllm_cpu(q[r].unsqueeze(1), swa, wi[r].unsqueeze(1), wl[r],
+                                            sink, 0.04, comp, ci[r].unsqueeze(1), cl[r],
+                                            out=out.unsqueeze(1))
         return out
 
     solo = torch.cat([run([i]) for i in range(t)])
     for size in (3, t):
-        _check("flash_mla_with_kvcache_cpu", f"via eager.attend batch {size}", solo,
-               torch.cat([run(rows) for rows in _batches(t, size)]))
+        _check("flash_mla_with_kvcache_cpu", f"via the FlashMLA-interface adapter, batch {size}",
+               solo, torch.cat([run(rows) for rows in _batches(t, size)]))
 
 
 # ------------------------------------------------------------------------------------------

@@ -292,6 +292,24 @@ def test_env_vars_lazy_validated_and_known_to_vllm(monkeypatch):
     assert vllm_envs.VLLM_DSV4_KERNEL == "torch"
 
 
+def test_cpu_layer_sparse_mla_setting(monkeypatch):
+    """VLLM_DSV4_KERNEL picks the CPU layer's sparse MLA: ``torch`` the plugin's, ``auto``
+    the op vLLM's layer calls; ``vllm_cpu`` refuses the plugin's registered fallback (it is
+    not vLLM's kernel), a bad value fails with envs' error."""
+    from vllm_dsv4_backend.layer import cpu as cpu_layer
+    from vllm_dsv4_backend.vllm_compat import cpu_ops
+
+    assert cpu_layer._sparse_mla_path("torch") == "torch"
+    assert cpu_layer._sparse_mla_path("auto") == "vllm_cpu"
+    monkeypatch.setattr(cpu_ops, "is_fallback", lambda name: True)
+    assert cpu_layer._sparse_mla_path("auto") == "vllm_cpu"
+    with pytest.raises(RuntimeError, match="VLLM_DSV4_KERNEL=vllm_cpu, but vLLM's C"):
+        cpu_layer._sparse_mla_path("vllm_cpu")
+    monkeypatch.setenv("VLLM_DSV4_KERNEL", "flashmla")
+    with pytest.raises(ValueError, match="VLLM_DSV4_KERNEL: expected one of"):
+        _ = envs.VLLM_DSV4_KERNEL
+
+
 def test_missing_hook_point_is_loud():
     fake = types.ModuleType("vllm.fake_module")
     with pytest.raises(hooks.PatchError) as e:

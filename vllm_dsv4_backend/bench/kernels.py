@@ -10,7 +10,7 @@ Reported per batch size: median time per call (= one layer's sparse attention fo
 batch) and tokens/s per layer = batch / time, for
 
 - ``torch``: the plugin's torch sparse MLA (argument checks, then
-  :func:`~vllm_dsv4_backend.ops.torch_sparse_mla.sparse_mla_decode_torch`, the fallback that
+  :func:`~vllm_dsv4_backend.ops.torch_sparse_mla.sparse_mla_decode`, the fallback that
   serves ``flash_mla_with_kvcache_cpu`` where vLLM's C++ library lacks it), with
   preallocated ``out`` / ``lse_out`` / ``scratch``;
 - ``naive``: the straightforward torch formulation (``dequantize_and_gather`` of every index,
@@ -39,7 +39,7 @@ from collections.abc import Callable
 import torch
 
 from vllm_dsv4_backend.formats import fp8_ds_mla as F
-from vllm_dsv4_backend.ops import checks, torch_sparse_mla, vllm_cpu
+from vllm_dsv4_backend.ops import torch_sparse_mla, vllm_cpu
 
 H_Q = 64
 WINDOW = 128
@@ -79,9 +79,8 @@ def _torch_fn(s: dict) -> Callable[[], object]:
     extra = (s["comp"], s["comp_idx"], None)
 
     def run() -> object:
-        dims = checks.check_decode_args(*args, SCALE, *extra, s["out"], s["lse"])
-        return torch_sparse_mla.sparse_mla_decode_torch(
-            *args, dims, *extra, out=s["out"], lse_out=s["lse"], scratch=s["scratch"])
+        return torch_sparse_mla.sparse_mla_decode(
+            *args, SCALE, *extra, out=s["out"], lse_out=s["lse"], scratch=s["scratch"])
 
     return run
 

@@ -184,11 +184,6 @@ def _sparse_mla_path(kernel: str) -> str:
     kernel, or the plugin's registered fallback where the library lacks it)."""
     if kernel == "torch":
         return "torch"
-    if kernel == "flashmla":
-        raise ValueError(
-            "VLLM_DSV4_KERNEL=flashmla needs a CUDA GPU; on CPU use one of "
-            "['auto', 'torch', 'vllm_cpu']"
-        )
     if kernel == "vllm_cpu" and cpu_ops.is_fallback("flash_mla_with_kvcache_cpu"):
         raise RuntimeError(
             "VLLM_DSV4_KERNEL=vllm_cpu, but vLLM's C++ flash_mla_with_kvcache_cpu is not "

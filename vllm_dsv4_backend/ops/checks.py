@@ -6,8 +6,8 @@ Every check raises ``ValueError`` naming the argument and giving the expected an
 shape / dtype / device (FlashInfer ``check_shape_dtype_device`` style). :func:`check_tensor`
 is the package's one tensor check (defined in ``vllm_dsv4_backend._checks`` so the
 ``formats`` layer below can use it too). The generic checks
-(:func:`check_decode_args`, :func:`check_prefill_args`) hold for every kernel path; the
-``check_flashmla_*`` functions add what FlashMLA's CUDA kernels require on top.
+(:func:`check_decode_args`, :func:`check_prefill_args`) are FlashMLA's interface contract,
+the same for the torch path and the adapter to vLLM's C++ CPU kernel.
 """
 
 from __future__ import annotations
@@ -25,13 +25,9 @@ from vllm_dsv4_backend.formats.fp8_ds_mla import CacheLayout
 __all__ = [
     "HEAD_DIM",
     "DecodeDims",
-    "DecodeInputs",
     "PrefillDims",
-    "PrefillInputs",
     "check_decode_args",
     "check_decode_index_range",
-    "check_flashmla_decode",
-    "check_flashmla_prefill",
     "check_prefill_args",
     "check_shape_dtype_device",
     "check_tensor",
@@ -39,8 +35,6 @@ __all__ = [
 ]
 
 HEAD_DIM = fp8_ds_mla.HEAD_DIM  # 512 = d_qk = d_v
-FLASHMLA_HEADS = (64, 128)
-FLASHMLA_TOPK_ALIGN = 64
 
 
 def check_shape_dtype_device(
@@ -98,25 +92,6 @@ class DecodeDims:
     softmax_scale: float
 
 
-@dataclass(frozen=True)
-class DecodeInputs:
-    """The inputs of one validated decode call, as the non-torch kernel paths take them.
-
-    One object instead of the same nine parameters re-declared by every path; ``dims`` is
-    :func:`check_decode_args`' result for exactly these tensors.
-    """
-
-    q: torch.Tensor
-    k_cache: torch.Tensor
-    indices: torch.Tensor
-    topk_length: torch.Tensor | None
-    attn_sink: torch.Tensor | None
-    dims: DecodeDims
-    extra_k_cache: torch.Tensor | None = None
-    extra_indices: torch.Tensor | None = None
-    extra_topk_length: torch.Tensor | None = None
-
-
 def check_decode_args(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -130,7 +105,7 @@ def check_decode_args(
     out: torch.Tensor | None,
     lse_out: torch.Tensor | None,
 ) -> DecodeDims:
-    """Validate ``sparse_mla_decode`` arguments (all paths). Does not read index values.
+    """Validate ``sparse_mla_decode`` arguments Does not read index values.
 
     Expected: q bf16 ``[b, s_q, h_q, 512]``; caches uint8 fp8_ds_mla ``[nb, B, (1,) 584]``;
     indices int32 ``[b, s_q, topk]``; topk_length int32 ``[b]``; attn_sink fp32 ``[h_q]``;
@@ -197,7 +172,7 @@ def check_decode_index_range(
 
     "Used" means the first ``topk_length[b]`` entries of each row (all when None); FlashMLA
     never reads the rest, so garbage there is allowed. One vectorized pass plus one host
-    sync; the CUDA FlashMLA path skips it (FlashMLA does not check either).
+    sync (FlashMLA itself does not check).
     """
     if indices.numel() == 0:
         return
@@ -225,19 +200,6 @@ class PrefillDims:
     sm_scale: float
 
 
-@dataclass(frozen=True)
-class PrefillInputs:
-    """The inputs of one validated prefill call (``dims`` from :func:`check_prefill_args`),
-    as the FlashMLA path takes them (the same grouping as :class:`DecodeInputs`)."""
-
-    q: torch.Tensor
-    kv: torch.Tensor
-    indices: torch.Tensor
-    dims: PrefillDims
-    attn_sink: torch.Tensor | None = None
-    topk_length: torch.Tensor | None = None
-
-
 def check_prefill_args(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -249,7 +211,7 @@ def check_prefill_args(
     max_logits_out: torch.Tensor | None,
     lse_out: torch.Tensor | None,
 ) -> PrefillDims:
-    """Validate ``sparse_mla_prefill`` arguments (all paths).
+    """Validate ``sparse_mla_prefill`` arguments.
 
     Expected: q bf16 ``[s_q, h_q, 512]``; kv bf16 ``[s_kv, 1, 512]``; indices int32
     ``[s_q, 1, topk]``; attn_sink fp32 ``[h_q]``; topk_length int32 ``[s_q]``; out bf16
@@ -282,78 +244,3 @@ def check_prefill_args(
     if lse_out is not None:
         check_shape_dtype_device(lse_out, "lse_out", (s_q, h_q), torch.float32, dev)
     return PrefillDims(s_q, h_q, int(kv.shape[0]), int(indices.shape[2]), scale)
-
-
-def _check_flashmla_heads(h_q: int) -> None:
-    if h_q not in FLASHMLA_HEADS:
-        raise ValueError(
-            f"q: FlashMLA requires h_q in {FLASHMLA_HEADS} (pad the heads with zeros and the "
-            f"sink with -inf), got h_q = {h_q}"
-        )
-
-
-def _check_last_dim_contiguous(t: torch.Tensor, name: str) -> None:
-    if t.stride(-1) != 1:
-        raise ValueError(
-            f"{name}: FlashMLA requires the last dim contiguous (stride(-1) == 1), got stride "
-            f"{tuple(t.stride())} for {describe(t)}"
-        )
-
-
-def check_flashmla_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    dims: DecodeDims,
-    extra_k_cache: torch.Tensor | None,
-    capability: tuple[int, int] | None,
-) -> None:
-    """FlashMLA sparse-decode constraints on top of :func:`check_decode_args`.
-
-    h_q in {64, 128}; topk and extra_topk multiples of 64; q last dim contiguous (h128 also
-    needs ``q.stride(0) % q.stride(1) == 0``); on SM100 the cache block stride must be a
-    multiple of 576 B.
-    """
-    _check_flashmla_heads(dims.h_q)
-    _check_last_dim_contiguous(q, "q")
-    if dims.h_q == 128 and q.stride(0) % q.stride(1) != 0:
-        raise ValueError(
-            f"q: FlashMLA h128 decode requires q.stride(0) % q.stride(1) == 0, got stride "
-            f"{tuple(q.stride())}"
-        )
-    for name, topk in (("indices", dims.topk), ("extra_indices", dims.extra_topk)):
-        if topk % FLASHMLA_TOPK_ALIGN:
-            raise ValueError(
-                f"{name}: FlashMLA requires topk to be a multiple of {FLASHMLA_TOPK_ALIGN} (pad "
-                f"with -1 and pass *_topk_length), got topk = {topk}"
-            )
-    if capability is not None and capability[0] == 10:
-        for name, layout in (("k_cache", dims.layout), ("extra_k_cache", dims.extra_layout)):
-            if layout is not None and layout.stride0 % fp8_ds_mla.BLOCK_STRIDE_ALIGNMENT:
-                raise ValueError(
-                    f"{name}: FlashMLA on SM100 requires stride(0) to be a multiple of "
-                    f"{fp8_ds_mla.BLOCK_STRIDE_ALIGNMENT} bytes (use "
-                    f"fp8_ds_mla.allocate_cache(padded=True)), got stride(0) = {layout.stride0}"
-                )
-
-
-def check_flashmla_prefill(q: torch.Tensor, kv: torch.Tensor, dims: PrefillDims,
-                           capability: tuple[int, int] | None) -> None:
-    """FlashMLA sparse-prefill constraints on top of :func:`check_prefill_args`.
-
-    h_q in {64, 128}; topk a multiple of 128 on SM90 and for h128 with topk > 1280 on SM100,
-    else a multiple of 64; q and kv last dim contiguous.
-    """
-    _check_flashmla_heads(dims.h_q)
-    _check_last_dim_contiguous(q, "q")
-    _check_last_dim_contiguous(kv, "kv")
-    align = 64
-    if capability is not None and (
-        capability[0] == 9 or (dims.h_q == 128 and dims.topk > 1280)
-    ):
-        align = 128
-    if dims.topk % align:
-        raise ValueError(
-            f"indices: FlashMLA sparse prefill requires topk to be a multiple of {align} here "
-            f"(h_q = {dims.h_q}, capability {capability}); pad with -1 and pass topk_length, "
-            f"got topk = {dims.topk}"
-        )

@@ -52,6 +52,7 @@ capturable).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -61,6 +62,7 @@ from vllm_dsv4_backend.ops import rope
 
 __all__ = [
     "compress_norm_rope",
+    "compress_norm_rope_store",
     "compress_norm_rope_store_indexer",
     "compress_norm_rope_store_main",
     "save_partial_states",
@@ -312,7 +314,7 @@ def compress_norm_rope(
 # --------------------------------------------------------------------------------------------
 # stores into the paged caches
 # --------------------------------------------------------------------------------------------
-def _store_rows(
+def compress_norm_rope_store(
     state_cache: torch.Tensor,
     gather_slots: torch.Tensor,
     positions: torch.Tensor,
@@ -323,15 +325,47 @@ def _store_rows(
     kv_cache_2d: torch.Tensor,
     kv_cache_block_size: int,
     compress_ratio: int,
-    head_dim: int,
-    entry_bytes: int,
-    out: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Shared prologue of the stores: returns (bf16 entries [E, d], kv slots [E], 3-D cache view).
+    *,
+    indexer_kv_dtype: str | None,
+    out: torch.Tensor | None = None,
+) -> None:
+    """Compress, RMSNorm, RoPE, quantize and insert the entry of each token closing a window.
 
-    The cache view is ``[num_blocks, kv_cache_block_size, entry_bytes]`` uint8 over the same
-    bytes as ``kv_cache_2d`` (vLLM's shape contract; the bytes inside a block are block-split).
+    ``indexer_kv_dtype`` picks the compressor: ``None`` the main one (head_dim 512, 584 B
+    ``fp8_ds_mla`` entries: ``torch.ops._C.compress_norm_rope_store_cpu``, also named
+    :data:`compress_norm_rope_store_main`), ``"fp8"`` or ``"mxfp4"`` the indexer's (head_dim
+    128, that indexer cache; ``"fp8"`` is ``torch.ops._C.compress_norm_rope_store_indexer_cpu``).
+    The positional arguments are those of the C++ ops.
+
+    Args:
+        state_cache, gather_slots, positions, rms_norm_weight, rms_norm_eps, cos_sin_cache,
+            compress_ratio: as in :func:`compress_norm_rope` (``head_dim`` 512 or 128).
+        kv_slot_mapping: int64/int32 ``[T]`` compressed-cache slot of each token's entry; only
+            tokens that close a window are read, ``-1`` skips.
+        kv_cache_2d: uint8 ``[num_blocks, >= kv_cache_block_size * entry_bytes]`` (vLLM's
+            ``kv_cache.view(num_blocks, -1)``; the row stride may be padded). Per block of ``B =
+            kv_cache_block_size`` entries, block-split: main: ``[B*576: 448 e4m3 NoPE + 64 bf16
+            RoPE][B*8: 7 ue8m0 + 1 pad]`` (584 B/entry); indexer ``fp8``: ``[B*128 e4m3][B*4
+            fp32 scale]`` (132 B/entry); ``mxfp4``: ``[B*64 packed e2m1][B*4 ue8m0]`` (68 B/entry).
+        kv_cache_block_size: entries per cache block.
+        indexer_kv_dtype: ``None`` (main), ``"fp8"`` or ``"mxfp4"`` (indexer).
+        out: optional fp32 contiguous ``[>= T, head_dim]`` scratch for the unquantized entries.
+
+    Only the bytes of the written entries change; everything else in the cache is untouched.
     """
+    if indexer_kv_dtype is None:
+        from vllm_dsv4_backend.formats import fp8_ds_mla
+
+        head_dim, entry_bytes = MAIN_HEAD_DIM, 584
+    else:
+        from vllm_dsv4_backend.formats import indexer_cache
+
+        if indexer_kv_dtype not in ("fp8", "mxfp4"):
+            raise ValueError(
+                f"indexer_kv_dtype: expected 'fp8' or 'mxfp4', got {indexer_kv_dtype!r}"
+            )
+        head_dim = INDEXER_HEAD_DIM
+        entry_bytes = indexer_cache.entry_bytes(indexer_kv_dtype)
     coff, rope_dim = _check_compress_args(
         state_cache, gather_slots, positions, rms_norm_weight, cos_sin_cache, compress_ratio,
         head_dim,
@@ -378,6 +412,8 @@ def _store_rows(
         state_cache, gather_slots, positions, rows, rms_norm_weight, rms_norm_eps, cos_sin_cache,
         compress_ratio, head_dim, coff, rope_dim, values,
     )
+    # The [num_blocks, kv_cache_block_size, entry_bytes] uint8 view over kv_cache_2d's bytes
+    # (vLLM's shape contract; the bytes inside a block are block-split).
     row_stride = kv_cache_2d.stride(0) if kv_cache_2d.shape[0] > 1 else block_bytes
     cache_3d = kv_cache_2d.as_strided(
         (kv_cache_2d.shape[0], kv_cache_block_size, entry_bytes),
@@ -386,87 +422,23 @@ def _store_rows(
     )
     # vLLM's kernels quantize the bf16-rounded entry (indexer: after RoPE; main: the NoPE part,
     # while the RoPE part is stored as bf16), so bf16 is exactly what the formats consume.
-    return values.to(torch.bfloat16), slots, cache_3d
-
-
-def compress_norm_rope_store_indexer(
-    state_cache: torch.Tensor,
-    gather_slots: torch.Tensor,
-    positions: torch.Tensor,
-    kv_slot_mapping: torch.Tensor,
-    rms_norm_weight: torch.Tensor,
-    rms_norm_eps: float,
-    cos_sin_cache: torch.Tensor,
-    kv_cache_2d: torch.Tensor,
-    kv_cache_block_size: int,
-    compress_ratio: int,
-    *,
-    indexer_kv_dtype: str,
-    out: torch.Tensor | None = None,
-) -> None:
-    """Indexer branch (head_dim 128): compress, RMSNorm, RoPE, quantize, insert.
-
-    Same arguments as ``torch.ops._C.compress_norm_rope_store_indexer_cpu`` plus the cache dtype.
-
-    Args:
-        state_cache, gather_slots, positions, rms_norm_weight, rms_norm_eps, cos_sin_cache,
-            compress_ratio: as in :func:`compress_norm_rope` (``head_dim`` = 128).
-        kv_slot_mapping: int64/int32 ``[T]`` compressed-cache slot of each token's entry; only
-            tokens that close a window are read, ``-1`` skips.
-        kv_cache_2d: uint8 ``[num_blocks, >= kv_cache_block_size * entry_bytes]`` (vLLM's
-            ``kv_cache.view(num_blocks, -1)``; the row stride may be padded). Per block of ``B =
-            kv_cache_block_size`` entries, block-split: ``fp8``: ``[B*128 e4m3][B*4 fp32
-            scale]`` (132 B/entry); ``mxfp4``: ``[B*64 packed e2m1][B*4 ue8m0]`` (68 B/entry).
-        kv_cache_block_size: entries per cache block.
-        indexer_kv_dtype: ``"fp8"`` or ``"mxfp4"``.
-        out: optional fp32 contiguous ``[>= T, 128]`` scratch for the unquantized entries.
-
-    Only the bytes of the written entries change; everything else in the cache is untouched.
-    """
-    from vllm_dsv4_backend.formats import indexer_cache
-
-    if indexer_kv_dtype not in ("fp8", "mxfp4"):
-        raise ValueError(
-            f"indexer_kv_dtype: expected 'fp8' or 'mxfp4', got {indexer_kv_dtype!r}"
-        )
-    entries, slots, cache_3d = _store_rows(
-        state_cache, gather_slots, positions, kv_slot_mapping, rms_norm_weight, rms_norm_eps,
-        cos_sin_cache, kv_cache_2d, kv_cache_block_size, compress_ratio, INDEXER_HEAD_DIM,
-        indexer_cache.entry_bytes(indexer_kv_dtype), out,
-    )
-    if slots.numel():
+    entries = values.to(torch.bfloat16)
+    if not slots.numel():
+        return
+    if indexer_kv_dtype is None:
+        fp8_ds_mla.quantize_and_insert(entries, cache_3d, slots)
+    else:
         indexer_cache.quantize_and_insert(entries, cache_3d, slots, indexer_kv_dtype)
 
 
-def compress_norm_rope_store_main(
-    state_cache: torch.Tensor,
-    gather_slots: torch.Tensor,
-    positions: torch.Tensor,
-    kv_slot_mapping: torch.Tensor,
-    rms_norm_weight: torch.Tensor,
-    rms_norm_eps: float,
-    cos_sin_cache: torch.Tensor,
-    kv_cache_2d: torch.Tensor,
-    kv_cache_block_size: int,
-    compress_ratio: int,
-    *,
-    out: torch.Tensor | None = None,
-) -> None:
-    """Main branch (head_dim 512): compress, RMSNorm, RoPE, store as 584 B ``fp8_ds_mla``.
+#: The main compressor's store (head_dim 512, 584 B ``fp8_ds_mla``): the arguments of
+#: ``torch.ops._C.compress_norm_rope_store_cpu`` (plus ``out``).
+compress_norm_rope_store_main = functools.partial(compress_norm_rope_store, indexer_kv_dtype=None)
 
-    Same arguments as ``torch.ops._C.compress_norm_rope_store_cpu``. ``kv_cache_2d``: uint8
-    ``[num_blocks, >= kv_cache_block_size * 584]``; per block of ``B`` entries ``[B*576: 448 e4m3
-    NoPE + 64 bf16 RoPE][B*8: 7 ue8m0 + 1 pad]``. ``out``: optional fp32 ``[>= T, 512]`` scratch.
-    """
-    from vllm_dsv4_backend.formats import fp8_ds_mla
-
-    entries, slots, cache_3d = _store_rows(
-        state_cache, gather_slots, positions, kv_slot_mapping, rms_norm_weight, rms_norm_eps,
-        cos_sin_cache, kv_cache_2d, kv_cache_block_size, compress_ratio, MAIN_HEAD_DIM,
-        584, out,
-    )
-    if slots.numel():
-        fp8_ds_mla.quantize_and_insert(entries, cache_3d, slots)
+#: The indexer compressor's store (head_dim 128): the arguments of
+#: ``torch.ops._C.compress_norm_rope_store_indexer_cpu`` plus the required keyword
+#: ``indexer_kv_dtype`` (``"fp8"`` or ``"mxfp4"``) (and ``out``).
+compress_norm_rope_store_indexer = compress_norm_rope_store
 
 
 # --------------------------------------------------------------------------------------------

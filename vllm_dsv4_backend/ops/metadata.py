@@ -44,6 +44,9 @@ Ported kernels (vLLM 0.32 module global -> function here; ``mla`` is
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 
 from vllm_dsv4_backend._checks import check_tensor
@@ -61,6 +64,9 @@ __all__ = [
 
 PAD_ID = -1
 _INT_DTYPES = (torch.int32, torch.int64)
+#: A SWA index kernel's window rule: ``(window_size, tok, req, q_start, q_len, seq)``
+#: (int64 ``[N]`` tensors but the int) -> the ``(start, end)`` positions of each row.
+_Window = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 # ----------------------------------------------------------------------------
@@ -372,6 +378,7 @@ def build_prefill_chunk_metadata(
 def _window_rows(
     swa_indices: torch.Tensor,
     swa_lens: torch.Tensor,
+    window_size: int,
     index_width: int,
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -379,11 +386,15 @@ def _window_rows(
     is_valid_token: torch.Tensor,
     block_table: torch.Tensor,
     block_size: int,
+    *,
     num_tokens: int,
     token_offset: int,
-    bounds,
+    window: _Window,
 ) -> None:
-    """Shared body of the SWA index kernels; ``bounds`` gives (start, end) per row."""
+    """Shared body of the SWA index kernels: the DSpark kernel's launcher signature
+    (:func:`swa_indices_and_lens`'s without the image and replay arguments) plus
+    the kernel's ``window``, which gives the (start, end) positions of each row."""
+    window_size = _check_int("window_size", window_size, minimum=1)
     _check("swa_indices", swa_indices, ndim=(2, 3), dtypes=(torch.int32, torch.int64))
     dev = swa_indices.device
     _check("swa_lens", swa_lens, ndim=1, device=dev)
@@ -427,7 +438,7 @@ def _window_rows(
     q_start = qsl[req]
     q_len = qsl[req + 1] - q_start
     seq = seq_lens.to(torch.int64)[req]
-    start, end = bounds(tok, req, q_start, q_len, seq)
+    start, end = window(window_size, tok, req, q_start, q_len, seq)
     length = end - start
     swa_lens[:num_tokens] = torch.where(valid, length, torch.zeros_like(length)).to(swa_lens.dtype)
     if index_width == 0:
@@ -495,7 +506,7 @@ def swa_indices_and_lens(
         _check("right_visible", right_visible, ndim=1, device=dev)
     _check("replay_start", replay_start, ndim=1, device=swa_indices.device)
 
-    def bounds(tok, req, q_start, q_len, seq):
+    def causal_window(window_size, tok, req, q_start, q_len, seq):
         pos = seq - q_len + tok - q_start
         if has_image:
             left = left_visible[tok].to(torch.int64)
@@ -509,63 +520,27 @@ def swa_indices_and_lens(
         return start, pos + right + 1
 
     _window_rows(
-        swa_indices,
-        swa_lens,
-        index_width,
-        query_start_loc,
-        seq_lens,
-        token_to_req_indices,
-        is_valid_token,
-        block_table,
-        block_size,
-        num_tokens,
-        token_offset,
-        bounds,
+        swa_indices, swa_lens, window_size, index_width, query_start_loc, seq_lens,
+        token_to_req_indices, is_valid_token, block_table, block_size,
+        num_tokens=num_tokens, token_offset=token_offset, window=causal_window,
     )
 
 
-def dspark_noncausal_swa_indices(
-    swa_indices: torch.Tensor,
-    swa_lens: torch.Tensor,
-    window_size: int,
-    index_width: int,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    token_to_req_indices: torch.Tensor,
-    is_valid_token: torch.Tensor,
-    block_table: torch.Tensor,
-    block_size: int,
-    *,
-    num_tokens: int,
-    token_offset: int,
-) -> None:
-    """Non-causal SWA slot ids of a DSpark draft block.
+def _noncausal_window(window_size, tok, req, q_start, q_len, seq):
+    prefix = seq - q_len
+    return (prefix - window_size).clamp(min=0), seq
 
-    Port of ``ComputeDSparkNoncausalSWAIndicesKernel``: every token of a request
-    sees ``[max(prefix - W, 0), seq_len)`` (the window before the block plus the
-    whole block). Shapes and invalid-token handling as
-    :func:`swa_indices_and_lens`.
-    """
-    window_size = _check_int("window_size", window_size, minimum=1)
 
-    def bounds(tok, req, q_start, q_len, seq):
-        prefix = seq - q_len
-        return (prefix - window_size).clamp(min=0), seq
+dspark_noncausal_swa_indices = functools.partial(_window_rows, window=_noncausal_window)
+# Named and documented like a function (the T6 kernel patch's TorchKernel shows both).
+dspark_noncausal_swa_indices.__name__ = "dspark_noncausal_swa_indices"  # type: ignore[attr-defined]
+dspark_noncausal_swa_indices.__doc__ = """Non-causal SWA slot ids of a DSpark draft block.
 
-    _window_rows(
-        swa_indices,
-        swa_lens,
-        index_width,
-        query_start_loc,
-        seq_lens,
-        token_to_req_indices,
-        is_valid_token,
-        block_table,
-        block_size,
-        num_tokens,
-        token_offset,
-        bounds,
-    )
+Port of ``ComputeDSparkNoncausalSWAIndicesKernel``: every token of a request sees
+``[max(prefix - W, 0), seq_len)`` (the window before the block plus the whole block).
+Arguments, shapes and invalid-token handling as :func:`swa_indices_and_lens` without
+``left_visible``, ``right_visible``, ``replay_start`` and ``has_image``.
+"""
 
 
 # ----------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Per-step slot-id tables for DeepSeek-V4's sparse attention (torch only).
 
-Both functions turn positions into *global* paged-cache slot ids
+Both tables turn positions into *global* paged-cache slot ids
 (``block_table[req, j // block_size] * block_size + j % block_size``) laid out
 valid-first then -1, which is what FlashMLA's ``indices`` + ``topk_length``
 expect. They run once per step in the metadata builders (not per layer) and
@@ -10,6 +10,8 @@ write into caller-owned buffers so the addresses are stable across steps.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -33,7 +35,7 @@ def _map_to_global(
     out.copy_(torch.where(valid, slots, torch.full_like(slots, -1)))
 
 
-def window_slots(
+def visible_slots(
     out_indices: torch.Tensor,
     out_lens: torch.Tensor,
     *,
@@ -42,59 +44,49 @@ def window_slots(
     block_table: torch.Tensor,
     block_size: int,
     arange: torch.Tensor,
+    compress_ratio: int | None,
 ) -> None:
-    """Sliding-window slot ids.
+    """Slot ids of the cache entries each token sees.
+
+    ``compress_ratio`` None (:data:`window_slots`): the sliding window of raw
+    positions ``max(0, p - W + 1) .. p`` in the SWA cache. An int
+    (:data:`all_visible_compressed_slots`, C128/HCA layers): every compressed
+    entry, ``j`` visible to position ``p`` iff ``j < (p + 1) // ratio``, the
+    first ``W`` of them.
 
     Args:
-        out_indices: ``[T, W]`` int32, written: slots of positions
-            ``max(0, p - W + 1) .. p`` ascending, then -1.
-        out_lens: ``[T]`` int32, written: ``min(W, p + 1)``.
+        out_indices: ``[T, W]`` int32, written: global slots of the ``n`` visible
+            entries ascending, then -1.
+        out_lens: ``[T]`` int32, written: ``n`` (``min(W, p + 1)`` for the window,
+            ``min(W, (p + 1) // ratio)`` for compressed entries).
         positions: ``[T]`` int64 absolute positions.
         token_to_req: ``[T]`` int request row of each token in ``block_table``.
-        block_table: ``[R, max_blocks]`` int32 SWA-cache block ids.
-        block_size: tokens per SWA-cache block.
+        block_table: ``[R, max_blocks]`` int32 block ids (SWA or compressed cache).
+        block_size: tokens (entries) per block (compressed: 256 / ratio in vLLM).
         arange: ``[W]`` int32 ``0..W-1`` (persistent, to avoid re-creating it).
+        compress_ratio: None (window) or the layer's compression ratio.
     """
     num_tokens, width = out_indices.shape
     check_tensor("out_lens", out_lens, shape=(num_tokens,), dtype=torch.int32)
     if num_tokens == 0:
         return
     pos = positions.long()
-    start = (pos - width + 1).clamp(min=0)
-    local = start.unsqueeze(1) + arange.long().unsqueeze(0)
-    valid = local <= pos.unsqueeze(1)
+    if compress_ratio is None:
+        start = (pos - width + 1).clamp(min=0)
+        local = start.unsqueeze(1) + arange.long().unsqueeze(0)
+        valid = local <= pos.unsqueeze(1)
+        lens = torch.minimum(pos + 1, torch.full_like(pos, width))
+    else:
+        lens = torch.div(pos + 1, compress_ratio, rounding_mode="floor").clamp_(max=width)
+        local = arange.long().unsqueeze(0).expand(num_tokens, width)
+        valid = local < lens.unsqueeze(1)
     _map_to_global(local, valid, token_to_req, block_table, block_size, out_indices)
-    out_lens.copy_(torch.minimum(pos + 1, torch.full_like(pos, width)))
+    out_lens.copy_(lens)
 
 
-def all_visible_compressed_slots(
-    out_indices: torch.Tensor,
-    out_lens: torch.Tensor,
-    *,
-    positions: torch.Tensor,
-    token_to_req: torch.Tensor,
-    block_table: torch.Tensor,
-    block_size: int,
-    compress_ratio: int,
-    arange: torch.Tensor,
-) -> None:
-    """Every compressed entry a token may see (C128/HCA layers).
+#: Sliding-window slot ids: :func:`visible_slots` without ``compress_ratio``.
+window_slots = functools.partial(visible_slots, compress_ratio=None)
 
-    Entry ``j`` is visible to position ``p`` iff ``j < (p + 1) // ratio``.
-
-    Args:
-        out_indices: ``[T, W]`` int32, written: global compressed slots of
-            ``j = 0 .. n-1`` then -1, ``n = min(W, (p + 1) // ratio)``.
-        out_lens: ``[T]`` int32, written: ``n``.
-        block_size: compressed entries per block (256 / ratio in vLLM).
-        arange: ``[W]`` int32 ``0..W-1``.
-    """
-    num_tokens, width = out_indices.shape
-    check_tensor("out_lens", out_lens, shape=(num_tokens,), dtype=torch.int32)
-    if num_tokens == 0:
-        return
-    n = torch.div(positions.long() + 1, compress_ratio, rounding_mode="floor").clamp_(max=width)
-    local = arange.long().unsqueeze(0).expand(num_tokens, width)
-    valid = local < n.unsqueeze(1)
-    _map_to_global(local, valid, token_to_req, block_table, block_size, out_indices)
-    out_lens.copy_(n)
+#: Every compressed entry a token may see: :func:`visible_slots` with the
+#: required keyword ``compress_ratio``.
+all_visible_compressed_slots = visible_slots

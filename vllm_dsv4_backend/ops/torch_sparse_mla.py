@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Sparse MLA in vectorized PyTorch (torch only): the production CPU path of the plugin
-(``VLLM_DSV4_KERNEL=torch``, and the torch fallback of vLLM's C++ sparse-MLA op on CPUs
-without AVX512-BF16), which runs anywhere. (Formerly ``ops/reference.py``.)
+"""Sparse MLA in vectorized PyTorch (torch only), which runs anywhere: the served CPU
+layer's sparse MLA with ``VLLM_DSV4_KERNEL=torch``, the torch fallback of vLLM's C++
+``flash_mla_with_kvcache_cpu`` on CPUs without AVX512-BF16, and the tests' oracle.
 
 Semantics are FlashMLA's (``flash_mla_with_kvcache`` sparse decode over the ``fp8_ds_mla``
 cache, ``flash_mla_sparse_fwd`` prefill over a bf16 KV buffer), computed in fp32:
@@ -60,7 +60,12 @@ import torch
 
 from vllm_dsv4_backend.formats import fp8_ds_mla
 from vllm_dsv4_backend.ops.blas import gemm_one_thread, lone_gemm
-from vllm_dsv4_backend.ops.checks import DecodeDims, PrefillDims
+from vllm_dsv4_backend.ops.checks import (
+    DecodeDims,
+    PrefillDims,
+    check_decode_args,
+    check_prefill_args,
+)
 
 __all__ = [
     "DEFAULT_BUDGET_BYTES",
@@ -68,8 +73,8 @@ __all__ = [
     "SEGMENT",
     "decode_scratch_nbytes",
     "prefill_scratch_nbytes",
-    "sparse_mla_decode_torch",
-    "sparse_mla_prefill_torch",
+    "sparse_mla_decode",
+    "sparse_mla_prefill",
 ]
 
 D = fp8_ds_mla.HEAD_DIM
@@ -402,13 +407,13 @@ class _Softmax:
 # --------------------------------------------------------------------------------------------
 # decode
 # --------------------------------------------------------------------------------------------
-def sparse_mla_decode_torch(
+def sparse_mla_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     indices: torch.Tensor,
     topk_length: torch.Tensor | None,
     attn_sink: torch.Tensor | None,
-    dims: DecodeDims,
+    softmax_scale: float,
     extra_k_cache: torch.Tensor | None = None,
     extra_indices: torch.Tensor | None = None,
     extra_topk_length: torch.Tensor | None = None,
@@ -419,24 +424,46 @@ def sparse_mla_decode_torch(
     scratch: torch.Tensor | None = None,
     budget_bytes: int = DEFAULT_BUDGET_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Torch sparse decode over ``fp8_ds_mla`` caches (arguments already validated).
+    """Sparse MLA decode over ``fp8_ds_mla`` paged caches (FlashMLA ``flash_mla_with_kvcache``
+    sparse semantics, MODEL1).
 
     Args:
         q: bf16 ``[b, s_q, h_q, 512]``, any strides.
-        k_cache / extra_k_cache: fp8_ds_mla uint8 caches (``dims.layout`` / ``extra_layout``).
-        indices / extra_indices: int32 ``[b, s_q, topk]`` global slot ids, -1 invalid; any
-            other value outside ``[0, num_slots)`` within the used prefix raises ValueError.
-        topk_length / extra_topk_length: int32 ``[b]`` or None (use only the first n).
-        attn_sink: fp32 ``[h_q]`` or None.
-        dims: from :func:`~vllm_dsv4_backend.ops.checks.check_decode_args`.
-        out: bf16 ``[b, s_q, h_q, 512]`` written in place (allocated when None).
-        lse_out: fp32 ``[b, h_q, s_q]`` written in place (allocated when None and need_lse).
-        scratch: uint8 1-D arena (see :func:`decode_scratch_nbytes`); allocated when None.
+        k_cache: uint8 ``[num_blocks, B, 584]`` or ``[num_blocks, B, 1, 584]`` fp8_ds_mla
+            cache (block-split bytes, ``stride(0)`` may be padded; see
+            :mod:`vllm_dsv4_backend.formats.fp8_ds_mla`).
+        indices: int32 ``[b, s_q, topk]`` global slot ids ``blk*B + t``. **Only -1 is
+            invalid**; any other id outside ``[0, num_blocks*B)`` within the used prefix
+            raises ``ValueError`` (one vectorized check).
+        topk_length: int32 ``[b]`` or None: only the first ``topk_length[i]`` indices of batch
+            row ``i`` (all its ``s_q`` queries) are used.
+        attn_sink: fp32 ``[h_q]`` or None: ``p_j = e^{s_j} / (sum_k e^{s_k} + e^{sink})``;
+            ``+inf`` zeroes the row, ``-inf`` has no effect; the returned lse excludes it.
+        softmax_scale: multiplies ``<q, k>`` (DeepSeek-V4: ``512 ** -0.5``).
+        extra_k_cache / extra_indices / extra_topk_length: a second cache with its own block
+            size, ``[b, s_q, extra_topk]`` indices and ``[b]`` lengths, attended under the same
+            softmax (DeepSeek-V4: SWA window in ``k_cache``, compressed entries here).
+        out: optional bf16 ``[b, s_q, h_q, 512]`` written in place (e.g. a workspace view).
+        lse_out: optional fp32 ``[b, h_q, s_q]`` written in place.
+        need_lse: False returns None for the lse.
+        scratch: optional uint8 1-D arena for the intermediates
+            (:func:`decode_scratch_nbytes`); with ``out``, ``lse_out`` and ``scratch`` given
+            the call allocates nothing.
+        budget_bytes: the fp32 working set's bound without ``scratch`` (sets rows per chunk).
 
     Returns:
-        ``(out, lse)``; ``lse`` is None when ``need_lse`` is False. A row's bits do not
-        depend on the other rows, on -1 padding past its entries, nor on the scratch size.
+        ``(out, lse)``: out bf16 ``[b, s_q, h_q, 512]`` (V = the whole 512-d row), lse fp32
+        ``[b, h_q, s_q]`` natural log (None when ``need_lse`` is False). A row with no valid
+        index gives ``out = 0`` and ``lse = +inf``. A row's bits do not depend on the other
+        rows, on -1 padding past its entries, nor on the scratch size.
+
+    Raises ``ValueError`` for a bad argument (named, with expected vs received shape, dtype
+    and device).
     """
+    dims = check_decode_args(
+        q, k_cache, indices, topk_length, attn_sink, softmax_scale, extra_k_cache,
+        extra_indices, extra_topk_length, out, lse_out,
+    )
     b, s_q, h = dims.batch, dims.s_q, dims.h_q
     n1, n2 = dims.topk, dims.extra_topk
     dev = q.device
@@ -632,11 +659,11 @@ def _decode_deduplicated(
 # --------------------------------------------------------------------------------------------
 # prefill
 # --------------------------------------------------------------------------------------------
-def sparse_mla_prefill_torch(
+def sparse_mla_prefill(
     q: torch.Tensor,
     kv: torch.Tensor,
     indices: torch.Tensor,
-    dims: PrefillDims,
+    sm_scale: float,
     attn_sink: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
     *,
@@ -646,22 +673,30 @@ def sparse_mla_prefill_torch(
     scratch: torch.Tensor | None = None,
     budget_bytes: int = DEFAULT_BUDGET_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Torch sparse prefill over a bf16 KV buffer (arguments already validated).
+    """Sparse MLA prefill over a bf16 KV buffer (FlashMLA ``flash_mla_sparse_fwd`` semantics).
 
     Args:
-        q: bf16 ``[s_q, h_q, 512]``, any strides.
-        kv: bf16 ``[s_kv, 1, 512]``.
+        q: bf16 ``[s_q, h_q, 512]``, any strides (no batch axis: concatenate sequences,
+            offset indices).
+        kv: bf16 ``[s_kv, 1, 512]`` (dequantized; e.g. gathered from the fp8_ds_mla caches).
         indices: int32 ``[s_q, 1, topk]``; entries ``< 0`` or ``>= s_kv`` are invalid.
-        dims: from :func:`~vllm_dsv4_backend.ops.checks.check_prefill_args`.
-        attn_sink: fp32 ``[h_q]`` or None. topk_length: int32 ``[s_q]`` or None.
-        out: bf16 ``[s_q, h_q, 512]``; max_logits_out / lse_out: fp32 ``[s_q, h_q]``.
-        scratch: uint8 1-D arena (see :func:`prefill_scratch_nbytes`).
+        sm_scale: multiplies ``<q, k>``.
+        attn_sink: fp32 ``[h_q]`` or None (same conventions as decode).
+        topk_length: int32 ``[s_q]`` or None: only the first n indices of each row are used.
+        out: optional bf16 ``[s_q, h_q, 512]``; max_logits_out / lse_out: optional fp32
+            ``[s_q, h_q]``; all written in place.
+        scratch: optional uint8 1-D arena (:func:`prefill_scratch_nbytes`).
 
     Returns:
-        ``(out, max_logits, lse)``: natural units; an empty row has ``max_logits = -inf``,
-        ``lse = +inf`` and ``out = 0``. A row's bits do not depend on the other rows, on
-        invalid padding past its entries, nor on the scratch size.
+        ``(out, max_logits, lse)``: max_logits and lse fp32 ``[s_q, h_q]`` in natural units
+        (max over ``sm_scale * <q, k>``); a row with no valid index gives ``out = 0``,
+        ``max_logits = -inf``, ``lse = +inf``. A row's bits do not depend on the other rows,
+        on invalid padding past its entries, nor on the scratch size. Raises ``ValueError``
+        for a bad argument.
     """
+    dims = check_prefill_args(
+        q, kv, indices, sm_scale, attn_sink, topk_length, out, max_logits_out, lse_out
+    )
     return _prefill(q, kv, indices, dims, attn_sink, topk_length, [(0, dims.topk)], out=out,
                     max_logits_out=max_logits_out, lse_out=lse_out, scratch=scratch,
                     budget_bytes=budget_bytes)
@@ -682,7 +717,7 @@ def _prefill(
     scratch: torch.Tensor | None,
     budget_bytes: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`sparse_mla_prefill_torch` with the index columns split into ``parts`` (each
+    """:func:`sparse_mla_prefill` with the index columns split into ``parts`` (each
     ``(first column, width)``, its own group origin; the deduplicated decode passes its two
     lists). ``topk_length`` counts combined columns."""
     s_q, h, s_kv = dims.s_q, dims.h_q, dims.s_kv

@@ -39,7 +39,7 @@ import platform
 import torch
 
 from vllm_dsv4_backend.formats import fp8_ds_mla
-from vllm_dsv4_backend.ops.checks import DecodeInputs
+from vllm_dsv4_backend.ops.checks import check_decode_args, check_decode_index_range
 
 __all__ = ["available", "cpp_op", "has_op", "load", "sparse_mla_decode_vllm_cpu"]
 
@@ -126,42 +126,56 @@ def _slots(indices: torch.Tensor, lens: torch.Tensor | None, s_q: int,
 
 
 def sparse_mla_decode_vllm_cpu(
-    call: DecodeInputs, *, out: torch.Tensor | None = None
+    *args: torch.Tensor | float | None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Sparse decode through ``torch.ops._C.flash_mla_with_kvcache_cpu`` (validated args).
+    """Sparse decode through ``torch.ops._C.flash_mla_with_kvcache_cpu`` with FlashMLA's
+    interface.
 
-    ``call``: the validated inputs (those of the torch reference); returns ``out``
-    ``[b, s_q, h_q, 512]`` bf16 only (the kernel does not produce the lse). Index ranges
-    must have been checked by the caller.
+    ``args``: the positional arguments of
+    :func:`~vllm_dsv4_backend.ops.torch_sparse_mla.sparse_mla_decode` (``q, k_cache,
+    indices, topk_length, attn_sink, softmax_scale`` and optionally ``extra_k_cache,
+    extra_indices, extra_topk_length``), checked the same way, indices included. Returns
+    ``out`` ``[b, s_q, h_q, 512]`` bf16 only: the kernel does not produce the lse.
+
+    Raises:
+        ValueError: a bad argument. RuntimeError: vLLM's C++ kernel cannot run here.
     """
     ok, reason = load()
     if not ok:
-        raise RuntimeError(f"vllm_cpu kernel path unavailable: {reason}")
-    dims, dev = call.dims, call.q.device
+        raise RuntimeError(f"vLLM's C++ flash_mla_with_kvcache_cpu cannot run: {reason}")
+    q, k_cache, indices, topk_length, attn_sink, scale, *rest = args
+    extra_k_cache, extra_indices, extra_topk_length = (*rest, None, None, None)[:3]
+    dims = check_decode_args(q, k_cache, indices, topk_length, attn_sink, scale, extra_k_cache,
+                             extra_indices, extra_topk_length, out, None)
+    check_decode_index_range(indices, topk_length, dims.layout.num_slots, "indices")
+    if dims.extra_layout is not None:
+        check_decode_index_range(extra_indices, extra_topk_length, dims.extra_layout.num_slots,
+                                 "extra_indices")
+    dev = q.device
     b, s_q, h = dims.batch, dims.s_q, dims.h_q
     t = b * s_q
     if out is None:
         out = torch.empty(b, s_q, h, fp8_ds_mla.HEAD_DIM, dtype=torch.bfloat16, device=dev)
     if t == 0:
         return out
-    q3 = call.q.reshape(t, h, fp8_ds_mla.HEAD_DIM)
+    q3 = q.reshape(t, h, fp8_ds_mla.HEAD_DIM)
     if q3.stride(-1) != 1:
         q3 = q3.contiguous()
     out3 = out.view(t, h, fp8_ds_mla.HEAD_DIM) if out.is_contiguous() else torch.empty(
         t, h, fp8_ds_mla.HEAD_DIM, dtype=torch.bfloat16, device=dev
     )
-    win_cache = dims.layout.blocks_2d(call.k_cache)
-    win_slots = _slots(call.indices, call.topk_length, s_q, 1)
-    if call.extra_k_cache is not None and dims.extra_topk > 0:
+    win_cache = dims.layout.blocks_2d(k_cache)
+    win_slots = _slots(indices, topk_length, s_q, 1)
+    if extra_k_cache is not None and dims.extra_topk > 0:
         assert dims.extra_layout is not None
-        comp_cache = dims.extra_layout.blocks_2d(call.extra_k_cache)
-        comp_slots = _slots(call.extra_indices, call.extra_topk_length, s_q, 0)  # type: ignore[arg-type]
+        comp_cache = dims.extra_layout.blocks_2d(extra_k_cache)
+        comp_slots = _slots(extra_indices, extra_topk_length, s_q, 0)  # type: ignore[arg-type]
         comp_bs = dims.extra_layout.block_size
     else:
         comp_cache = win_cache
         comp_slots = torch.empty(t, 0, dtype=torch.int64, device=dev)
         comp_bs = 1
-    sink = call.attn_sink
+    sink = attn_sink
     if sink is None:
         sink = torch.full((h,), -torch.inf, dtype=torch.float32, device=dev)
     elif not sink.is_contiguous():

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -199,38 +200,45 @@ def _dep(backend: StreamBackend, producer: Any, consumer: Any) -> None:
         backend.wait(consumer, ev)
 
 
-def _layer_fixed(
-    mgr: WorkspaceManager,
-    k: StampKernels,
-    layer: str,
-    ubatch: int,
-    num_tokens: int,
-    s: Mapping[str, Any],
-    variant: str,
-    stamps: _StampSource,
-    tag: str,
-) -> None:
-    be = mgr.backend
-    fams = mgr.layer_families(layer)
-    d, a0, a1 = s["default"], s["aux0"], s["aux1"]
-    q = mgr.lease(layer, "q", num_tokens, ubatch, stream=d)
+@dataclass(frozen=True)
+class _LayerStep:
+    """One layer's part of a step for one micro-batch: what both schedules need."""
+
+    mgr: WorkspaceManager
+    k: StampKernels
+    layer: str
+    ubatch: int
+    num_tokens: int
+    s: Mapping[str, Any]
+    stamps: _StampSource
+    tag: str
+
+    def lease(self, family: str, stream: Any) -> Lease:
+        return self.mgr.lease(self.layer, family, self.num_tokens, self.ubatch, stream=stream)
+
+
+def _layer_fixed(c: _LayerStep, variant: str) -> None:
+    be, k, stamps, tag = c.mgr.backend, c.k, c.stamps, c.tag
+    fams = c.mgr.layer_families(c.layer)
+    d, a0, a1 = c.s["default"], c.s["aux0"], c.s["aux1"]
+    q = c.lease("q", d)
     sq = stamps()
     k.produce(d, q, sq)  # fused qnorm/rope/KV insert writes padded q
     if "compressor" in fams:
-        c = mgr.lease(layer, "compressor", num_tokens, ubatch, stream=a1)
+        cl = c.lease("compressor", a1)
         sc = stamps()
-        k.produce(a1, c, sc)
-        k.consume(a1, c, sc, f"{tag} compressor")
-        c.release()
+        k.produce(a1, cl, sc)
+        k.consume(a1, cl, sc, f"{tag} compressor")
+        cl.release()
     tk: Lease | None = None
     stk = 0
     if "indexer_q" in fams:
-        iq = mgr.lease(layer, "indexer_q", num_tokens, ubatch, stream=a0)
+        iq = c.lease("indexer_q", a0)
         siq = stamps()
         k.produce(a0, iq, siq)  # fused indexer q rope + quant
         if variant == "wide":
             k.consume(a0, iq, siq, f"{tag} indexer_q")  # logits on aux0
-            tk = mgr.lease(layer, "topk", num_tokens, ubatch, stream=a0)
+            tk = c.lease("topk", a0)
             stk = stamps()
             k.produce(a0, tk, stk)  # top-k on aux0
             iq.release()
@@ -240,7 +248,7 @@ def _layer_fixed(
             _dep(be, a0, d)
             iq.used_on(d)
             k.consume(d, iq, siq, f"{tag} indexer_q")  # indexer op on default
-            tk = mgr.lease(layer, "topk", num_tokens, ubatch, stream=d)
+            tk = c.lease("topk", d)
             stk = stamps()
             k.produce(d, tk, stk)
             iq.release()
@@ -252,34 +260,23 @@ def _layer_fixed(
     q.release()
 
 
-def _layer_random(
-    mgr: WorkspaceManager,
-    k: StampKernels,
-    layer: str,
-    ubatch: int,
-    num_tokens: int,
-    s: Mapping[str, Any],
-    rng: random.Random,
-    stamps: _StampSource,
-    tag: str,
-) -> None:
-    be = mgr.backend
-    streams = [s[r] for r in STREAM_ROLES]
-    fams = list(mgr.layer_families(layer))
+def _layer_random(c: _LayerStep, rng: random.Random) -> None:
+    streams = [c.s[r] for r in STREAM_ROLES]
+    fams = list(c.mgr.layer_families(c.layer))
     rng.shuffle(fams)
     live: list[tuple[str, Lease, Any, int]] = []
     for f in fams:
         p = rng.choice(streams)
-        ls = mgr.lease(layer, f, num_tokens, ubatch, stream=p)
-        st = stamps()
-        k.produce(p, ls, st)
+        ls = c.lease(f, p)
+        st = c.stamps()
+        c.k.produce(p, ls, st)
         live.append((f, ls, p, st))
     rng.shuffle(live)
     for f, ls, p, st in live:
-        for c in rng.sample(streams, rng.randint(1, len(streams))):
-            _dep(be, p, c)
-            ls.used_on(c)
-            k.consume(c, ls, st, f"{tag} {f}")
+        for consumer in rng.sample(streams, rng.randint(1, len(streams))):
+            _dep(c.mgr.backend, p, consumer)
+            ls.used_on(consumer)
+            c.k.consume(consumer, ls, st, f"{c.tag} {f}")
     rng.shuffle(live)
     for _, ls, _, _ in live:
         ls.release()
@@ -318,11 +315,10 @@ def enqueue_dsv4_step(
         if rng is not None:
             rng.shuffle(order)
         for u in order:
-            tag = f"step {step} ubatch {u} {layer}"
+            c = _LayerStep(mgr, kernels, layer, u, num_tokens[u], streams[u], stamps,
+                           f"step {step} ubatch {u} {layer}")
             if variant == "random":
                 assert rng is not None
-                _layer_random(mgr, kernels, layer, u, num_tokens[u], streams[u], rng,
-                              stamps, tag)
+                _layer_random(c, rng)
             else:
-                _layer_fixed(mgr, kernels, layer, u, num_tokens[u], streams[u], variant,
-                             stamps, tag)
+                _layer_fixed(c, variant)

@@ -41,12 +41,14 @@ must check :func:`is_fallback`, or, without importing this module, the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from vllm_dsv4_backend._logging import init_logger
+from vllm_dsv4_backend.ops import compressor
 
 __all__ = ["FALLBACK_FLAG", "OPS", "is_fallback", "missing_ops", "register_missing", "registered"]
 
@@ -224,7 +226,7 @@ def flash_mla_with_kvcache_cpu(
 ) -> None:
     """Sparse MLA over the SWA window slots and the compressed slots, one softmax
     with the sink: ``out[T, H, 512]``. Slots ``< 0`` or past the cache are skipped."""
-    from vllm_dsv4_backend.ops import checks, torch_sparse_mla
+    from vllm_dsv4_backend.ops import torch_sparse_mla
 
     def as_indices(slots: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         num_slots = cache.shape[0] * cache.shape[1]
@@ -242,85 +244,17 @@ def flash_mla_with_kvcache_cpu(
     q4 = q.unsqueeze(1)
     out4 = out.unsqueeze(1)
     sink = attn_sink.float()
-    dims = checks.check_decode_args(
-        q4, win, idx, None, sink, scale, extra, extra_idx, None, out4, None
-    )
-    torch_sparse_mla.sparse_mla_decode_torch(
-        q4, win, idx, None, sink, dims, extra, extra_idx, None, out=out4, need_lse=False
+    torch_sparse_mla.sparse_mla_decode(
+        q4, win, idx, None, sink, scale, extra, extra_idx, None, out=out4, need_lse=False
     )
 
 
-def save_partial_states_cpu(
-    kv: torch.Tensor,
-    score: torch.Tensor,
-    ape: torch.Tensor,
-    positions: torch.Tensor,
-    state_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Write ``[kv | score + ape[pos % ratio]]`` per token into the compressor state cache."""
-    from vllm_dsv4_backend.ops import compressor
-
-    compressor.save_partial_states(kv, score, ape, positions, state_cache, slot_mapping)
-
-
-def compress_norm_rope_store_cpu(
-    state_cache: torch.Tensor,
-    gather_slots: torch.Tensor,
-    positions: torch.Tensor,
-    kv_slot_mapping: torch.Tensor,
-    rms_norm_weight: torch.Tensor,
-    rms_norm_eps: float,
-    cos_sin_cache: torch.Tensor,
-    kv_cache_2d: torch.Tensor,
-    kv_cache_block_size: int,
-    compress_ratio: int,
-) -> None:
-    """Main compressor (head 512): compress, RMSNorm, RoPE, fp8_ds_mla store."""
-    from vllm_dsv4_backend.ops import compressor
-
-    compressor.compress_norm_rope_store_main(
-        state_cache,
-        gather_slots,
-        positions,
-        kv_slot_mapping,
-        rms_norm_weight,
-        rms_norm_eps,
-        cos_sin_cache,
-        kv_cache_2d,
-        kv_cache_block_size,
-        compress_ratio,
-    )
-
-
-def compress_norm_rope_store_indexer_cpu(
-    state_cache: torch.Tensor,
-    gather_slots: torch.Tensor,
-    positions: torch.Tensor,
-    kv_slot_mapping: torch.Tensor,
-    rms_norm_weight: torch.Tensor,
-    rms_norm_eps: float,
-    cos_sin_cache: torch.Tensor,
-    kv_cache_2d: torch.Tensor,
-    kv_cache_block_size: int,
-    compress_ratio: int,
-) -> None:
-    """Indexer compressor (head 128): compress, RMSNorm, RoPE, FP8 132 B store."""
-    from vllm_dsv4_backend.ops import compressor
-
-    compressor.compress_norm_rope_store_indexer(
-        state_cache,
-        gather_slots,
-        positions,
-        kv_slot_mapping,
-        rms_norm_weight,
-        rms_norm_eps,
-        cos_sin_cache,
-        kv_cache_2d,
-        kv_cache_block_size,
-        compress_ratio,
-        indexer_kv_dtype="fp8",
-    )
+# The compressor ops of ops.compressor take the C++ ops' arguments: registered as they are.
+save_partial_states_cpu = compressor.save_partial_states
+compress_norm_rope_store_cpu = compressor.compress_norm_rope_store_main
+compress_norm_rope_store_indexer_cpu = functools.partial(
+    compressor.compress_norm_rope_store, indexer_kv_dtype="fp8"
+)
 
 
 def _mhc_pre(

@@ -98,6 +98,15 @@ class KernelPatch:
     wrap: bool = True  # wrap in TorchKernel (launcher objects) or bind the function
 
 
+# The per-token request tables both SWA index kernels take, in their order.
+_SWA_TABLES = (
+    "query_start_loc",
+    "seq_lens",
+    "token_to_req_indices",
+    "is_valid_token",
+    "block_table",
+    "block_size",
+)
 _SWA_PARAMS = (
     "swa_indices",
     "swa_lens",
@@ -105,12 +114,7 @@ _SWA_PARAMS = (
     "index_width",
     "left_visible",
     "right_visible",
-    "query_start_loc",
-    "seq_lens",
-    "token_to_req_indices",
-    "is_valid_token",
-    "block_table",
-    "block_size",
+    *_SWA_TABLES,
     "replay_start",
     "num_tokens",
     "token_offset",
@@ -206,12 +210,7 @@ KERNEL_PATCHES: tuple[KernelPatch, ...] = (
             "swa_lens",
             "window_size",
             "index_width",
-            "query_start_loc",
-            "seq_lens",
-            "token_to_req_indices",
-            "is_valid_token",
-            "block_table",
-            "block_size",
+            *_SWA_TABLES,
             "num_tokens",
             "token_offset",
         ),
