@@ -31,7 +31,7 @@ Variables:
     (runs anywhere, the oracle); ``vllm_cpu`` / ``auto``, the op vLLM's layer
     calls (its C++ kernel, or the plugin's registered fallback where vLLM's
     library lacks it; ``vllm_cpu`` refuses the fallback). The CUDA layer always
-    runs vLLM's FlashMLA kernels.
+    runs vLLM's FlashMLA kernels and refuses any value but ``auto``.
 ``VLLM_DSV4_ATTN_IMPL`` = ``auto`` (default) | ``plugin`` | ``vllm``
     Which DeepSeek-V4 attention layer the model builds: ``plugin`` installs the
     plugin's layer and makes any reason not to (an unsupported vLLM version or

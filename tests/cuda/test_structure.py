@@ -237,6 +237,20 @@ def test_mxfp4_below_sm100_is_a_clear_startup_error(monkeypatch) -> None:
     cuda.check_mxfp4_arch(fp8)  # no error
 
 
+def test_cpu_only_kernel_setting_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """VLLM_DSV4_KERNEL=torch / vllm_cpu cannot be honoured by the CUDA layer (it always
+    runs vLLM's FlashMLA kernels): refused at construction, before vLLM builds anything,
+    instead of being ignored."""
+    fp8 = types.SimpleNamespace(attention_config=types.SimpleNamespace(
+        resolve_indexer_kv_dtype=lambda default: default))
+    for kernel in ("torch", "vllm_cpu"):
+        monkeypatch.setenv("VLLM_DSV4_KERNEL", kernel)
+        with pytest.raises(ValueError, match=rf"VLLM_DSV4_KERNEL={kernel} selects .* CPU"):
+            PLUGIN(fp8, prefix="model.layers.2.attn")
+    monkeypatch.setenv("VLLM_DSV4_KERNEL", "auto")
+    cuda.check_kernel_setting()  # no error
+
+
 def test_fenced_control_flow_drift_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
     # The fork/join the fences rely on is fingerprinted like the copied bodies.
     symbol = "vllm.utils.multi_stream_utils:execute_in_parallel"

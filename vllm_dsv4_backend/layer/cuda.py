@@ -78,7 +78,7 @@ from vllm.models.deepseek_v4.attention import DeepseekV4Indexer
 from vllm.models.deepseek_v4.compressor import DeepseekCompressor
 from vllm.models.deepseek_v4.nvidia.flashmla import DeepseekV4FlashMLAAttention
 
-from vllm_dsv4_backend import attention_config, eager, testing
+from vllm_dsv4_backend import attention_config, eager, envs, testing
 from vllm_dsv4_backend.layer import core
 from vllm_dsv4_backend.layer.core import make_workspace, num_ubatches
 from vllm_dsv4_backend.layer.cuda_kernels import GraphSafeCudaStreamBackend, VllmCudaKernels
@@ -384,6 +384,7 @@ class DSV4FlashMLAAttention(DeepseekV4FlashMLAAttention):
         topk_indices_buffer: torch.Tensor | None = None,
         aux_stream_list: list[torch.cuda.Stream] | None = None,
     ) -> None:
+        check_kernel_setting()
         check_mxfp4_arch(vllm_config)
         super().__init__(vllm_config, prefix, topk_indices_buffer, aux_stream_list)
         model_key = aux_stream_list if aux_stream_list is not None else topk_indices_buffer
@@ -627,6 +628,19 @@ class DSV4FlashMLAAttention(DeepseekV4FlashMLAAttention):
 
 
 # --- checks and the factory ----------------------------------------------------------
+
+
+def check_kernel_setting() -> None:
+    """Refuse a ``VLLM_DSV4_KERNEL`` the CUDA layer cannot honour rather than ignore
+    it: ``torch`` and ``vllm_cpu`` are the CPU layer's sparse-MLA paths, and this
+    layer always runs vLLM's FlashMLA kernels."""
+    kernel = envs.VLLM_DSV4_KERNEL
+    if kernel != "auto":
+        raise ValueError(
+            f"VLLM_DSV4_KERNEL={kernel} selects a sparse-MLA path of the CPU layer; the "
+            "CUDA layer always runs vLLM's FlashMLA kernels. Supported on CUDA: ['auto'] "
+            "(unset VLLM_DSV4_KERNEL)"
+        )
 
 
 def check_mxfp4_arch(vllm_config: Any) -> None:
