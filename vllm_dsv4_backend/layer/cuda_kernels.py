@@ -9,6 +9,7 @@ initialise the CUDA driver)."""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -107,75 +108,25 @@ class VllmCudaKernels:
             block_size, is_valid_token,
         )
 
-    def indexer_q_fp8(
-        self,
-        *,
-        positions: torch.Tensor,
-        q: torch.Tensor,
-        cos_sin_cache: torch.Tensor,
-        weights: torch.Tensor,
-        weights_softmax_scale: float,
-        weights_head_scale: float,
-        q_fp8: torch.Tensor,
-        weights_out: torch.Tensor,
-    ) -> None:
-        from vllm.utils.import_utils import has_cutedsl
-
-        if has_cutedsl():
-            from vllm.models.deepseek_v4.nvidia.ops.fused_indexer_q_cutedsl import (
-                _INDEXER_Q_FP8_KERNEL,
-            )
-
-            _INDEXER_Q_FP8_KERNEL(
-                positions=positions, q=q, cos_sin_cache=cos_sin_cache, weights=weights,
-                weights_softmax_scale=weights_softmax_scale,
-                weights_head_scale=weights_head_scale, q_fp8=q_fp8.view(torch.uint8),
-                weights_out=weights_out,
-            )
-            return
-        from vllm.models.deepseek_v4.common.ops.fused_indexer_q import (
-            _FUSED_INDEXER_Q_ROPE_QUANT_TRITON_KERNEL,
+    def indexer_q_fp8(self, *, q_fp8: torch.Tensor, weights_out: torch.Tensor,
+                      **inputs: Any) -> None:
+        """vLLM's indexer q RoPE + FP8 quant into ``q_fp8`` / ``weights_out``;
+        ``inputs``: positions, q, cos_sin_cache, weights, weights_softmax_scale,
+        weights_head_scale."""
+        _indexer_q(
+            "_INDEXER_Q_FP8_KERNEL", "_FUSED_INDEXER_Q_ROPE_QUANT_TRITON_KERNEL", inputs,
+            dict(q_fp8=q_fp8.view(torch.uint8), weights_out=weights_out),
+            (q_fp8, weights_out), dict(fp8_max=_FP8_MAX, use_fnuz=False),
         )
 
-        _FUSED_INDEXER_Q_ROPE_QUANT_TRITON_KERNEL(
-            positions, q, cos_sin_cache, weights, weights_softmax_scale, weights_head_scale,
-            q_fp8, weights_out, fp8_max=_FP8_MAX, use_fnuz=False,
-        )
-
-    def indexer_q_mxfp4(
-        self,
-        *,
-        positions: torch.Tensor,
-        q: torch.Tensor,
-        cos_sin_cache: torch.Tensor,
-        weights: torch.Tensor,
-        weights_softmax_scale: float,
-        weights_head_scale: float,
-        q_packed: torch.Tensor,
-        q_scale: torch.Tensor,
-        weights_out: torch.Tensor,
-    ) -> None:
-        from vllm.utils.import_utils import has_cutedsl
-
-        if has_cutedsl():
-            from vllm.models.deepseek_v4.nvidia.ops.fused_indexer_q_cutedsl import (
-                _INDEXER_Q_MXFP4_KERNEL,
-            )
-
-            _INDEXER_Q_MXFP4_KERNEL(
-                positions=positions, q=q, cos_sin_cache=cos_sin_cache, weights=weights,
-                weights_softmax_scale=weights_softmax_scale,
-                weights_head_scale=weights_head_scale, q_packed=q_packed, q_scale=q_scale,
-                weights_out=weights_out,
-            )
-            return
-        from vllm.models.deepseek_v4.common.ops.fused_indexer_q import (
-            _FUSED_INDEXER_Q_ROPE_MXFP4_TRITON_KERNEL,
-        )
-
-        _FUSED_INDEXER_Q_ROPE_MXFP4_TRITON_KERNEL(
-            positions, q, cos_sin_cache, weights, weights_softmax_scale, weights_head_scale,
-            q_packed, q_scale, weights_out,
+    def indexer_q_mxfp4(self, *, q_packed: torch.Tensor, q_scale: torch.Tensor,
+                        weights_out: torch.Tensor, **inputs: Any) -> None:
+        """vLLM's indexer q RoPE + MXFP4 quant into ``q_packed`` / ``q_scale`` /
+        ``weights_out``; ``inputs`` as :meth:`indexer_q_fp8`'s."""
+        _indexer_q(
+            "_INDEXER_Q_MXFP4_KERNEL", "_FUSED_INDEXER_Q_ROPE_MXFP4_TRITON_KERNEL", inputs,
+            dict(q_packed=q_packed, q_scale=q_scale, weights_out=weights_out),
+            (q_packed, q_scale, weights_out), {},
         )
 
     def c128_state_block_size(self) -> int:
@@ -205,3 +156,25 @@ class VllmCudaKernels:
         from vllm.models.deepseek_v4.nvidia import flashmla
 
         return flashmla.flash_mla_with_kvcache(**kwargs)
+
+
+_INDEXER_Q_CUTEDSL = "vllm.models.deepseek_v4.nvidia.ops.fused_indexer_q_cutedsl"
+_INDEXER_Q_TRITON = "vllm.models.deepseek_v4.common.ops.fused_indexer_q"
+# The indexer-q inputs, in the order of the Triton kernels' positional parameters.
+_INDEXER_Q_INPUTS = ("positions", "q", "cos_sin_cache", "weights", "weights_softmax_scale",
+                     "weights_head_scale")
+
+
+def _indexer_q(cute: str, triton: str, inputs: dict[str, Any], cute_outs: dict[str, Any],
+               triton_outs: tuple[Any, ...], triton_kw: dict[str, Any]) -> None:
+    """The choice vLLM's ``fused_indexer_q_rope_quant`` makes: the CuTe DSL kernel
+    ``cute`` (keyword arguments) where ``has_cutedsl()``, else its Triton twin
+    ``triton`` (positional inputs, then the outputs)."""
+    from vllm.utils.import_utils import has_cutedsl
+
+    if has_cutedsl():
+        module = importlib.import_module(_INDEXER_Q_CUTEDSL)
+        getattr(module, cute)(**inputs, **cute_outs)
+        return
+    module = importlib.import_module(_INDEXER_Q_TRITON)
+    getattr(module, triton)(*(inputs[k] for k in _INDEXER_Q_INPUTS), *triton_outs, **triton_kw)
