@@ -41,8 +41,10 @@ detected.
 from __future__ import annotations
 
 import random
+import sys
 import types
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -51,12 +53,18 @@ from _cuda_guard import require_vllm_cuda
 
 require_vllm_cuda()
 
-import torch.nn as nn  # noqa: E402
 from vllm.forward_context import override_forward_context  # noqa: E402
 
 from vllm_dsv4_backend.layer import cuda  # noqa: E402
 from vllm_dsv4_backend.ops import indexer as indexer_ops  # noqa: E402
 from vllm_dsv4_backend.workspace import SimStreamBackend, WorkspaceConfig  # noqa: E402
+
+# The layers are built as the CUDA-graph harness builds them (without __init__).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "cuda_graph"))
+try:
+    from harness import bare_module  # noqa: E402
+finally:
+    sys.path.pop(0)
 
 T = 4               # decode tokens per micro-batch (one per request)
 MNBT = 8            # max_num_batched_tokens
@@ -214,14 +222,6 @@ class IndexerOp:
         return self.buf
 
 
-def _module(cls: type, **attrs: Any) -> Any:
-    m = cls.__new__(cls)
-    nn.Module.__init__(m)
-    for k, v in attrs.items():
-        setattr(m, k, v)
-    return m
-
-
 class Model:
     """The layers of one model (built without a VllmConfig), its workspace
     (``cuda.make_workspace``: policy and the no-fence switch from envs) and
@@ -252,7 +252,7 @@ class Model:
         self.metadata = [self._metadata(u) for u in range(NUM_UBATCHES)]
 
     def _layer(self, prefix: str, ratio: int, dtype: str) -> cuda.DSV4FlashMLAAttention:
-        layer = _module(
+        layer = bare_module(
             cuda.DSV4FlashMLAAttention, prefix=prefix, compress_ratio=ratio,
             n_local_heads=N_LOCAL, padded_heads=HP, head_dim=D, window_size=8,
             scale=D**-0.5, max_num_batched_tokens=MNBT, topk_indices_buffer=self.topk_buf,
@@ -265,7 +265,7 @@ class Model:
         layer.indexer = None
         layer.compressor = None
         if ratio == 4:
-            layer.indexer = _module(
+            layer.indexer = bare_module(
                 cuda.DSV4CudaIndexer, use_fp4_kv=dtype == "mxfp4", softmax_scale=128**-0.5,
                 n_head=64, head_dim=128)
             layer.indexer.indexer_op = IndexerOp(
@@ -273,7 +273,7 @@ class Model:
                 lambda: self.positions[self.ubatch])
         if ratio == 128:
             k_cache = types.SimpleNamespace(kv_cache=torch.zeros(4, 1, 584, dtype=torch.uint8))
-            layer.compressor = _module(
+            layer.compressor = bare_module(
                 cuda.DeepseekCompressor, compress_ratio=128, head_dim=D, rope_head_dim=64,
                 rms_norm_eps=1e-6, k_cache_prefix=prefix,
                 _static_forward_context={prefix: k_cache})

@@ -120,15 +120,19 @@ def test_copied_bodies_match_this_vllm() -> None:
         assert cuda.source_fingerprint(module, qualname) == want
 
 
-def test_fingerprint_drift_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
-    symbol = cuda.COPIED_VLLM_BODIES[0]
+def _assert_drift_fails(monkeypatch: pytest.MonkeyPatch, symbol: str, match: str) -> None:
+    """``symbol``'s known fingerprint changed: building the layer class must raise."""
     monkeypatch.setitem(fingerprints.KNOWN[MINOR], symbol, "0" * 16)
     cuda._checked.cache_clear()
     try:
-        with pytest.raises(hooks.PatchError, match="source changed"):
+        with pytest.raises(hooks.PatchError, match=match):
             cuda.layer_cls()
     finally:
         cuda._checked.cache_clear()
+
+
+def test_fingerprint_drift_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    _assert_drift_fails(monkeypatch, cuda.COPIED_VLLM_BODIES[0], "source changed")
 
 
 def test_kernel_signature_drift_fails(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -255,13 +259,7 @@ def test_fenced_control_flow_drift_fails_loudly(monkeypatch: pytest.MonkeyPatch)
     # The fork/join the fences rely on is fingerprinted like the copied bodies.
     symbol = "vllm.utils.multi_stream_utils:execute_in_parallel"
     assert symbol in cuda.FENCE_CONTROL_FLOW[MINOR]
-    monkeypatch.setitem(fingerprints.KNOWN[MINOR], symbol, "0" * 16)
-    cuda._checked.cache_clear()
-    try:
-        with pytest.raises(hooks.PatchError, match="execute_in_parallel"):
-            cuda.layer_cls()
-    finally:
-        cuda._checked.cache_clear()
+    _assert_drift_fails(monkeypatch, symbol, "execute_in_parallel")
 
 
 def test_process_weights_after_loading_takes_no_arguments() -> None:

@@ -9,7 +9,7 @@ Run with the generated stand-in ``vllm`` first on the path::
 It builds 7 layers (compress ratios 1, 4, 128, 4, 128, 4, 1) of the plugin's
 ``vllm_dsv4_backend.layer.cuda.DSV4FlashMLAAttention`` and of vLLM's
 ``DeepseekV4FlashMLAAttention`` (from the stub: vLLM's verbatim bodies, see
-``build_stub.py``), wired as ``tests/cuda`` does (``_module`` attributes,
+``build_stub.py``), wired as ``tests/cuda`` does (``bare_module`` attributes,
 ``_dsv4_attach(workspace, kernels_double)``), and runs several steps of
 mixed decode + prefill with two micro-batches (DBO ubatch ids 0/1, switched
 per layer) through vLLM's forward. Every mode's model output (the residual
@@ -151,7 +151,9 @@ class Meter:
 # --- the model ---------------------------------------------------------------------------
 
 
-def _module(cls: type, **attrs: Any) -> Any:
+def bare_module(cls: type, **attrs: Any) -> Any:
+    """An ``nn.Module`` of ``cls`` without its ``__init__`` (no VllmConfig),
+    ``attrs`` set on it (also used by tests/cuda/test_layer_streams.py)."""
     import torch.nn as nn
 
     m = cls.__new__(cls)
@@ -235,7 +237,7 @@ class Model:
         hp = cls.get_padded_num_q_heads(HEADS)
         for i, ratio in enumerate(RATIOS):
             prefix = f"model.layers.{i}.attn"
-            layer = _module(
+            layer = bare_module(
                 cls, prefix=prefix, compress_ratio=ratio, n_local_heads=HEADS, padded_heads=hp,
                 head_dim=HEAD_DIM, rope_head_dim=64, nope_head_dim=HEAD_DIM - 64,
                 q_lora_rank=Q_LORA, eps=1e-6, window_size=WINDOW, scale=HEAD_DIM**-0.5,
@@ -265,7 +267,7 @@ class Model:
                 k_cache = types.SimpleNamespace(prefix=f"{prefix}.indexer.k_cache",
                                                 kv_cache=f32_cache(I_BLOCK, MAXPOS // 4 + 1,
                                                                    INDEX_DIM))
-                ix = _module(
+                ix = bare_module(
                     vattn.DeepseekV4Indexer, prefix=f"{prefix}.indexer", compress_ratio=4,
                     topk_tokens=TOPK, n_head=INDEX_HEADS, head_dim=INDEX_DIM,
                     softmax_scale=INDEX_DIM**-0.5, use_fp4_kv=False,
@@ -300,7 +302,7 @@ class Model:
                     sfc: dict[str, Any], rnd: Callable[..., torch.Tensor],
                     f32_cache: Callable[..., torch.Tensor]) -> Any:
         coff = 2 if ratio == 4 else 1
-        c = _module(
+        c = bare_module(
             cls, prefix=prefix, compress_ratio=ratio, head_dim=head, rope_head_dim=64,
             nope_head_dim=head - 64, rms_norm_eps=1e-6, overlap=ratio == 4, coff=coff,
             use_fp4_cache=False, _use_two_stage_fused_compressor=False,
@@ -545,28 +547,44 @@ def _measuring(meter: Meter) -> Iterator[None]:
         S._MEASURE.clear()
 
 
+def _run_steps(model: Model, steps: int, meter: Meter,
+               step_fn: Callable[[], list[torch.Tensor]], by_op: bool = False
+               ) -> dict[str, Any]:
+    """Every step: load its inputs, run ``step_fn`` (one forward or the replays;
+    it returns the micro-batches' outputs), wait for the device, then record the
+    outputs, the workspace leases and ``meter``'s allocations; with ``by_op``
+    also step 0's allocations by op."""
+    cuda = model.device.type == "cuda"
+    outs, leases, allocs, allocator = [], [], [], []
+    by_op0: dict[str, int] = {}
+    for step in range(steps):
+        model.load_step(step)
+        l0 = _leases(model)
+        xs = step_fn()
+        if cuda:
+            torch.cuda.synchronize()
+        outs.append(torch.stack(xs).cpu())
+        leases.append(_leases(model) - l0)
+        f, a = meter.take()
+        allocs.append(f)
+        allocator.append(a)
+        if step == 0:
+            by_op0 = meter.last_by_op
+    res: dict[str, Any] = {"outputs": outs, "leases_per_step": leases,
+                           "allocations_per_step": allocs,
+                           "allocator_requests_per_step": allocator if cuda else None}
+    if by_op:
+        res["allocations_by_op_step0"] = by_op0
+    return res
+
+
 def run_eager(model: Model, steps: int) -> dict[str, Any]:
     from vllm.config import CUDAGraphMode
 
     meter = Meter(model.device)
-    outs, leases, allocs, allocator = [], [], [], []
     with _measuring(meter):
-        for step in range(steps):
-            model.load_step(step)
-            l0 = _leases(model)
-            xs = model.forward_step(CUDAGraphMode.NONE, meter)
-            if model.device.type == "cuda":
-                torch.cuda.synchronize()
-            outs.append(torch.stack(xs).cpu())
-            leases.append(_leases(model) - l0)
-            f, a = meter.take()
-            allocs.append(f)
-            allocator.append(a)
-            if step == 0:
-                by_op = meter.last_by_op
-    return {"outputs": outs, "leases_per_step": leases, "allocations_per_step": allocs,
-            "allocator_requests_per_step": allocator if model.device.type == "cuda" else None,
-            "allocations_by_op_step0": by_op}
+        return _run_steps(model, steps, meter,
+                          lambda: model.forward_step(CUDAGraphMode.NONE, meter), by_op=True)
 
 
 def run_piecewise(model: Model, steps: int, capture_metadata: bool = True) -> dict[str, Any]:
@@ -601,24 +619,17 @@ def run_piecewise(model: Model, steps: int, capture_metadata: bool = True) -> di
     model.restore(snap)
     torch.cuda.synchronize()
     meter = Meter(model.device)
-    outs, leases, allocs, allocator = [], [], [], []
+
+    def replay() -> list[torch.Tensor]:
+        for u in range(NUM_UBATCHES):
+            ubatching._THREAD_ID_TO_CONTEXT[threading.get_ident()] = u
+            with set_forward_context(model.md[u], CUDAGraphMode.PIECEWISE), meter.layer():
+                caps[u].replay()
+        return static
+
     with _measuring(meter):
-        for step in range(steps):
-            model.load_step(step)
-            l0 = _leases(model)
-            for u in range(NUM_UBATCHES):
-                ubatching._THREAD_ID_TO_CONTEXT[threading.get_ident()] = u
-                with set_forward_context(model.md[u], CUDAGraphMode.PIECEWISE), meter.layer():
-                    caps[u].replay()
-            torch.cuda.synchronize()
-            outs.append(torch.stack(static).cpu())
-            leases.append(_leases(model) - l0)
-            f, a = meter.take()
-            allocs.append(f)
-            allocator.append(a)
-    return {"outputs": outs, "leases_per_step": leases, "allocations_per_step": allocs,
-            "allocator_requests_per_step": allocator,
-            "graphs": [c.num_graphs for c in caps],
+        res = _run_steps(model, steps, meter, replay)
+    return {**res, "graphs": [c.num_graphs for c in caps],
             "eager_breaks": [c.num_eager_breaks for c in caps]}
 
 
@@ -641,20 +652,13 @@ def run_full(model: Model, steps: int) -> dict[str, Any]:
     model.restore(snap)
     torch.cuda.synchronize()
     meter = Meter(model.device)
-    outs, leases, allocs, allocator = [], [], [], []
-    for step in range(steps):
-        model.load_step(step)
-        l0 = _leases(model)
+
+    def replay() -> list[torch.Tensor]:
         with meter.layer():
             graph.replay()
-        torch.cuda.synchronize()
-        outs.append(torch.stack(static).cpu())
-        leases.append(_leases(model) - l0)
-        f, a = meter.take()
-        allocs.append(f)
-        allocator.append(a)
-    return {"outputs": outs, "leases_per_step": leases, "allocations_per_step": allocs,
-            "allocator_requests_per_step": allocator}
+        return static
+
+    return _run_steps(model, steps, meter, replay)
 
 
 # --- comparisons and controls ----------------------------------------------------------------
