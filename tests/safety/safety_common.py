@@ -8,10 +8,19 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+# tests/vllm's helpers (the tiny engine, loading a tests/core file as a module for
+# test_3_events); tests/ directories are not packages.
+_VLLM_TESTS = str(Path(__file__).resolve().parents[1] / "vllm")
+if _VLLM_TESTS not in sys.path:
+    sys.path.insert(0, _VLLM_TESTS)
+
+from _helpers import TINY_ENGINE, load_core_module  # noqa: E402, F401  (re-exported)
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "configs" / "tiny-dsv4"
@@ -37,17 +46,11 @@ STRESS_LONG = (700, 2100)
 # ``off`` on the parity prompts (hook for tools/cuda_graph/, e.g. enforce_eager=False).
 EXTRA_PARITY_VARIANTS: dict[str, dict[str, Any]] = {}
 
+# The tests' tiny engine (whole prompts in one step), plus room for the stress
+# concurrency, vLLM's sampling defaults and no prefix cache.
 ENGINE = {
-    "load_format": "dummy",
-    "tokenizer_mode": "hf",
-    "kv_cache_dtype": "fp8",
-    "enforce_eager": True,
-    "max_model_len": 4096,
-    # MLA on CPU turns chunked prefill off: a step must hold a whole prompt.
-    "max_num_batched_tokens": 4096,
+    **TINY_ENGINE,
     "max_num_seqs": 64,
-    "seed": 0,
-    "attention_backend": "FLASHMLA_SPARSE_DSV4",
     "generation_config": "vllm",
     "enable_prefix_caching": False,
 }

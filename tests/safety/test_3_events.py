@@ -28,12 +28,8 @@ On CUDA the same program runs on real streams in tests/gpu/test_workspace_cuda.p
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import pytest
+from safety_common import load_core_module
 
 from vllm_dsv4_backend.workspace import WorkspaceLeaseError, WorkspaceManager
 from vllm_dsv4_backend.workspace.sizing import Layout, Slot
@@ -41,21 +37,7 @@ from vllm_dsv4_backend.workspace.sizing import Layout, Slot
 VARIANTS = ("wide", "narrow", "random")
 AUX_FAMILIES = ("indexer_q", "topk", "compressor")
 
-
-def _load_schedule_tests() -> ModuleType:
-    name = "_dsv4_core_test_stream_schedule"
-    if name in sys.modules:
-        return sys.modules[name]
-    path = Path(__file__).resolve().parents[1] / "core" / "test_stream_schedule.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-S = _load_schedule_tests()
+S = load_core_module("test_stream_schedule.py", "_dsv4_core_test_stream_schedule")
 
 
 class Pool49236(WorkspaceManager):

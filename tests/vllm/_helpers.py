@@ -1,19 +1,47 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Small helpers shared by the tests against a real vLLM server (not a test module)."""
+"""Small helpers shared by the tests against a real vLLM (not a test module).
+
+Imported as ``_helpers`` with ``tests/vllm`` on ``sys.path`` (pytest puts it there for
+the modules of this directory; tests/safety adds it itself). Importing it loads neither
+vLLM nor torch: the helpers that need them import them when called.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
 from vllm_dsv4_backend import runner as R
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The tiny model's in-process engine (``vllm.LLM`` kwargs) in the tests that start one:
+# configs/serve/tiny-dsv4-cpu.yaml's settings (dummy seeded weights, the shipped
+# tokenizer, fp8 KV cache, eager, seed 0, the plugin's backend), with room for a whole
+# 4096-token prompt in one step (MLA on CPU turns chunked prefill off). Tests extend
+# it with their own keys; copy it (``{**TINY_ENGINE, ...}``), never change it in place.
+TINY_ENGINE: dict[str, Any] = {
+    "load_format": "dummy",
+    "tokenizer_mode": "hf",
+    "kv_cache_dtype": "fp8",
+    "enforce_eager": True,
+    "max_model_len": 4096,
+    "max_num_batched_tokens": 4096,
+    "seed": 0,
+    "attention_backend": "FLASHMLA_SPARSE_DSV4",
+}
 
 
 def healthy(base_url: str, timeout: float = 10.0) -> bool:
@@ -52,3 +80,71 @@ def load_core_module(filename: str, name: str) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+# The DeepSeek-V4 ``torch.ops._C`` kernels the plugin's CPU layer calls (with vLLM's
+# layer), all of them ops of ``vllm_compat.cpu_ops.OPS``: what the real-kernel tests run.
+CPU_LAYER_KERNELS: tuple[str, ...] = (
+    "flash_mla_with_kvcache_cpu",
+    "fp8_paged_mqa_logits_cpu",
+    "topk_transform_512_cpu",
+    "fused_indexer_q_rope_quant_cpu",
+    "fused_qnorm_rope_kv_insert_cpu",
+    "save_partial_states_cpu",
+    "compress_norm_rope_store_cpu",
+    "compress_norm_rope_store_indexer_cpu",
+)
+
+
+def real_cpp_ops(names: Iterable[str]) -> Any:
+    """``torch.ops._C`` with vLLM's real C++ kernels ``names`` (ops of
+    ``cpu_ops.OPS``) loaded; skips otherwise.
+
+    The skip is machine-dependent: only vLLM's AVX512-BF16 ``_C`` library ships the
+    DeepSeek-V4 CPU kernels, so on a CPU without AVX512-BF16 the loaded library lacks
+    them (or, once the plugin registered them, ``torch.ops._C.<name>`` is its torch
+    fallback); there the tests of the real kernels skip, saying which ops and why.
+    """
+    import torch
+    from vllm.platforms import current_platform
+
+    from vllm_dsv4_backend.vllm_compat import cpu_ops
+
+    names = list(names)
+    unknown = set(names) - {op.name for op in cpu_ops.OPS}
+    if unknown:
+        raise ValueError(f"{sorted(unknown)} are not DeepSeek-V4 ops of cpu_ops.OPS")
+    current_platform.import_kernels()
+    absent = set(cpu_ops.missing_ops())
+    missing = [n for n in names if n in absent]
+    if missing:
+        pytest.skip(f"vLLM's loaded kernel library lacks {missing}: the DeepSeek-V4 C++ "
+                    "kernels are only in vLLM's AVX512-BF16 _C library (machine-dependent: "
+                    "this CPU has no AVX512-BF16 or vLLM loaded another build)")
+    fallback = [n for n in names if cpu_ops.is_fallback(n)
+                or getattr(getattr(torch.ops._C, n), cpu_ops.FALLBACK_FLAG, False)]
+    if fallback:
+        pytest.skip(f"torch.ops._C.{fallback} are the plugin's torch fallbacks, not vLLM's "
+                    "C++ kernels (registered where vLLM's library lacks them)")
+    return torch.ops._C
+
+
+def run_script_report(script: str | Path, args: Sequence[str], out: Path, timeout: float,
+                      env: Mapping[str, str] | None = None) -> dict:
+    """Run ``python script *args out`` from the repo root (a test file that is its own
+    worker script) and return the JSON report it wrote to ``out``; asserts the report
+    exists, with the tail of the worker's output. ``env`` defaults to this process's."""
+    proc = subprocess.run([sys.executable, str(script), *args, str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout,
+                          env=None if env is None else dict(env))
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def exit_with_report(out_path: str | Path, report: dict) -> None:
+    """End a worker script: write ``report`` as JSON to ``out_path`` (what
+    :func:`run_script_report` returns), flush stdout and exit 0 at once, skipping the
+    in-process engine's teardown."""
+    Path(out_path).write_text(json.dumps(report))
+    sys.stdout.flush()
+    os._exit(0)

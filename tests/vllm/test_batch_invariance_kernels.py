@@ -28,29 +28,23 @@ import torch
 
 pytest.importorskip("vllm")
 
-from _helpers import load_core_module  # noqa: E402  (tests/vllm is on sys.path)
+from _helpers import (  # noqa: E402  (tests/vllm is on sys.path)
+    CPU_LAYER_KERNELS,
+    load_core_module,
+    real_cpp_ops,
+)
 
 from vllm_dsv4_backend.formats import fp8_ds_mla  # noqa: E402
 from vllm_dsv4_backend.formats import indexer_cache as ic  # noqa: E402
 from vllm_dsv4_backend.ops import compressor as comp_ops  # noqa: E402
 from vllm_dsv4_backend.ops import indexer as indexer_ops  # noqa: E402
 from vllm_dsv4_backend.ops import vllm_cpu  # noqa: E402
-from vllm_dsv4_backend.vllm_compat import cpu_ops  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
 W = load_core_module("bi_world.py", "_bi_world_for_kernels")
 
-KERNELS = (
-    "flash_mla_with_kvcache_cpu",
-    "fp8_paged_mqa_logits_cpu",
-    "topk_transform_512_cpu",
-    "fused_indexer_q_rope_quant_cpu",
-    "fused_qnorm_rope_kv_insert_cpu",
-    "save_partial_states_cpu",
-    "compress_norm_rope_store_cpu",
-    "compress_norm_rope_store_indexer_cpu",
-)
+KERNELS = CPU_LAYER_KERNELS
 # Measured on vLLM 0.32.0 (AVX512-BF16/AMX build), 1 and 2 threads, batches of 1..160:
 # every kernel is bitwise batch invariant. A change upstream shows up here as a failure
 # with the measured max |diff| / ulp.
@@ -61,19 +55,7 @@ _measured: dict[str, str] = {}
 @pytest.fixture(scope="module")
 def C() -> Any:
     """``torch.ops._C`` with vLLM's real DeepSeek-V4 kernels; skips where they are absent."""
-    from vllm.platforms import current_platform
-
-    current_platform.import_kernels()
-    missing = [n for n in KERNELS if not hasattr(torch.ops._C, n)]
-    if missing:
-        pytest.skip(f"vLLM's loaded kernel library lacks {missing}: the DeepSeek-V4 C++ "
-                    "kernels are only in the AVX512-BF16 _C library")
-    fallback = [n for n in KERNELS if cpu_ops.is_fallback(n)
-                or getattr(getattr(torch.ops._C, n), cpu_ops.FALLBACK_FLAG, False)]
-    if fallback:
-        pytest.skip(f"torch.ops._C.{fallback} are the plugin's torch fallbacks, not vLLM's "
-                    "kernels")
-    return torch.ops._C
+    return real_cpp_ops(KERNELS)
 
 
 @pytest.fixture(params=[None, 1], ids=["threads-default", "threads-1"])

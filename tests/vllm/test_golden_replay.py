@@ -26,6 +26,8 @@ import torch
 
 pytest.importorskip("vllm")
 
+from _helpers import real_cpp_ops  # noqa: E402  (tests/vllm is on sys.path)
+
 from vllm_dsv4_backend.vllm_compat import cpu_ops  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -50,21 +52,10 @@ FILES = list(gio.files())
 @pytest.fixture(scope="module")
 def real_ops() -> Any:
     """``torch.ops._C`` with vLLM's kernels loaded; skips where they are not real."""
-    from vllm.platforms import current_platform
-
-    current_platform.import_kernels()
-    missing = cpu_ops.missing_ops()
-    if missing:
-        pytest.skip(
-            f"vLLM's loaded kernel library lacks {missing} (the DeepSeek-V4 C++ kernels are "
-            "only in the AVX512-BF16 _C library)"
-        )
-    fallback = [n for n in OPS if getattr(getattr(torch.ops._C, n), cpu_ops.FALLBACK_FLAG, False)]
-    if fallback:
-        pytest.skip(f"torch.ops._C.{fallback} are the plugin's torch fallbacks, not the kernels")
+    ops = real_cpp_ops(OPS)
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # the recording's setting (the box is shared)
-    yield torch.ops._C
+    yield ops
     torch.set_num_threads(n)
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,6 +27,7 @@ MODEL = ROOT / "configs" / "tiny-dsv4"
 def _worker(dtype: str, out_path: str) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_DSV4_ATTN_IMPL"] = "plugin"
+    from _helpers import TINY_ENGINE, exit_with_report  # tests/vllm: sys.path[0] here
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.plugins import load_general_plugins
@@ -48,9 +48,7 @@ def _worker(dtype: str, out_path: str) -> None:
     load_general_plugins()
     engine = {"attention_config": {"use_fp4_indexer_cache": True}} if dtype == "mxfp4" else {}
     cfg = json.loads((MODEL / "config.json").read_text())
-    llm = LLM(model=str(MODEL), load_format="dummy", tokenizer_mode="hf", kv_cache_dtype="fp8",
-              enforce_eager=True, max_model_len=4096, max_num_batched_tokens=4096, seed=0,
-              attention_backend="FLASHMLA_SPARSE_DSV4", **engine)
+    llm = LLM(model=str(MODEL), **{**TINY_ENGINE, **engine})
     n = 4 * int(cfg["index_topk"]) + 150
     vocab = int(cfg["vocab_size"])
     prompts = [TokensPrompt(prompt_token_ids=[(7 * i) % (vocab - 10) + 3 for i in range(n)]),
@@ -71,9 +69,7 @@ def _worker(dtype: str, out_path: str) -> None:
                             if any(f in c.layer_families(r) for r in ws.layers.values())}),
         "per_family": ws.stats()["reserved_bytes_per_family"],
     }
-    Path(out_path).write_text(json.dumps(report))
-    sys.stdout.flush()
-    os._exit(0)
+    exit_with_report(out_path, report)
 
 
 if __name__ == "__main__":
@@ -82,17 +78,15 @@ if __name__ == "__main__":
 
 pytest.importorskip("vllm")
 
+from _helpers import run_script_report  # noqa: E402  (tests/vllm is on sys.path)
+
 
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp8", "mxfp4"])
 def test_served_leases_are_the_lease_plan(dtype, tmp_path):
-    out = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, __file__, dtype, str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=1500,
+    r = run_script_report(__file__, [dtype], tmp_path / "report.json", timeout=1500,
                           env={**os.environ, "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "1500"})
-    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    r = json.loads(out.read_text())
     assert r["managers"] == 1 and r["indexer_kv_dtype"] == dtype
     taken = {tuple(t) for t in r["taken"]}
     planned = {tuple(t) for t in r["planned"]}

@@ -43,7 +43,12 @@ _CORE = Path(__file__).resolve().parents[1] / "core"
 if str(_CORE) not in sys.path:  # the core module imports oracle / test_compressor_store
     sys.path.insert(0, str(_CORE))
 
-from _helpers import load_core_module  # noqa: E402  (tests/vllm is on sys.path)
+from _helpers import (  # noqa: E402  (tests/vllm is on sys.path)
+    CPU_LAYER_KERNELS,
+    TINY_ENGINE,
+    load_core_module,
+    real_cpp_ops,
+)
 
 S = load_core_module("test_mod4_sweep.py", "_mod4_sweep_core")
 
@@ -51,16 +56,7 @@ pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "configs" / "tiny-dsv4"
-KERNELS = (
-    "flash_mla_with_kvcache_cpu",
-    "fp8_paged_mqa_logits_cpu",
-    "topk_transform_512_cpu",
-    "fused_indexer_q_rope_quant_cpu",
-    "fused_qnorm_rope_kv_insert_cpu",
-    "save_partial_states_cpu",
-    "compress_norm_rope_store_cpu",
-    "compress_norm_rope_store_indexer_cpu",
-)
+KERNELS = CPU_LAYER_KERNELS
 # vLLM's C++ kernels round more than the torch path (bf16 probabilities and partial
 # sums; golden README), yet stay within the torch path's tolerance: measured max
 # rel_l2 over the full sweep in docs/correctness.md.
@@ -72,20 +68,7 @@ SERVED_LENGTHS = [128, 129, 130, 131, 512, 513, 514, 515, 2049, 2050, 2051, 2052
 @pytest.fixture(scope="module")
 def C() -> Any:
     """``torch.ops._C`` with vLLM's real DeepSeek-V4 kernels; skips where they are absent."""
-    from vllm.platforms import current_platform
-
-    from vllm_dsv4_backend.vllm_compat import cpu_ops
-
-    current_platform.import_kernels()
-    missing = [n for n in KERNELS if not hasattr(torch.ops._C, n)]
-    if missing:
-        pytest.skip(f"vLLM's loaded kernel library lacks {missing}: the DeepSeek-V4 C++ "
-                    "kernels are only in the AVX512-BF16 _C library")
-    fallback = [n for n in KERNELS if cpu_ops.is_fallback(n)
-                or getattr(getattr(torch.ops._C, n), cpu_ops.FALLBACK_FLAG, False)]
-    if fallback:
-        pytest.skip(f"torch.ops._C.{fallback} are the plugin's torch fallbacks")
-    return torch.ops._C
+    return real_cpp_ops(KERNELS)
 
 
 class LayerTableOps(S.VllmConventionOps):
@@ -203,10 +186,7 @@ def test_prompt_logprobs_plugin_vs_vllm_layer(tmp_path: Path) -> None:
     rng = random.Random(29)
     prompts = [[rng.randrange(16, cfg["vocab_size"]) for _ in range(n)]
                for n in SERVED_LENGTHS]
-    engine = {"load_format": "dummy", "tokenizer_mode": "hf", "kv_cache_dtype": "fp8",
-              "enforce_eager": True, "max_model_len": 4096, "max_num_batched_tokens": 4096,
-              "seed": 0, "attention_backend": "FLASHMLA_SPARSE_DSV4"}
-    spec = {"model": str(MODEL), "prompts": prompts, "engine": engine,
+    spec = {"model": str(MODEL), "prompts": prompts, "engine": TINY_ENGINE,
             "variants": {"vllm": {"VLLM_DSV4_ATTN_IMPL": "vllm"},
                          "plugin": {"VLLM_DSV4_ATTN_IMPL": "plugin"}}}
     sp, op = tmp_path / "spec.json", tmp_path / "out.json"

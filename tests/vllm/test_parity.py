@@ -27,6 +27,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from _helpers import TINY_ENGINE  # noqa: E402  (tests/vllm is on sys.path)
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "configs" / "tiny-dsv4"
 NUM_TOKENS = 32
@@ -93,16 +95,6 @@ def step0_problems(ref: dict, new: dict, atol: float) -> list[str]:
 @pytest.fixture(scope="module")
 def parity_runs(tmp_path_factory):
     cfg = json.loads((MODEL / "config.json").read_text())
-    engine = {
-        "load_format": "dummy",
-        "tokenizer_mode": "hf",
-        "kv_cache_dtype": "fp8",
-        "enforce_eager": True,
-        "max_model_len": 4096,
-        "max_num_batched_tokens": 4096,
-        "seed": 0,
-        "attention_backend": "FLASHMLA_SPARSE_DSV4",
-    }
     plugin = {"VLLM_DSV4_ATTN_IMPL": "plugin"}
     spec = {
         "model": str(MODEL),
@@ -111,7 +103,7 @@ def parity_runs(tmp_path_factory):
         "logprobs": TOP_LOGPROBS,
         # Exact comparison needs the same batches in both runs (see parity_worker).
         "one_at_a_time": True,
-        "engine": engine,
+        "engine": TINY_ENGINE,
         "variants": {
             "vllm": {"VLLM_DSV4_ATTN_IMPL": "vllm"},
             "plugin": plugin,

@@ -14,9 +14,7 @@ this box's size.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,6 +28,8 @@ MODEL = ROOT / "configs" / "tiny-dsv4"
 def _worker(policy: str, out_path: str) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_DSV4_WORKSPACE"] = policy
+    from _helpers import exit_with_report  # tests/vllm: sys.path[0] here (a script)
+
     import vllm_dsv4_backend.layer.core as core
 
     devices: list[str] = []
@@ -51,9 +51,7 @@ def _worker(policy: str, out_path: str) -> None:
         report.update(loaded=False, type=type(e).__name__, message=str(e),
                       is_value_error=isinstance(e, ValueError))
     report["budget_devices"] = devices
-    Path(out_path).write_text(json.dumps(report))
-    sys.stdout.flush()
-    os._exit(0)
+    exit_with_report(out_path, report)
 
 
 if __name__ == "__main__":
@@ -62,13 +60,11 @@ if __name__ == "__main__":
 
 pytest.importorskip("vllm")
 
+from _helpers import run_script_report  # noqa: E402  (tests/vllm is on sys.path)
+
 
 def _load(policy: str, tmp_path: Path) -> dict:
-    out = tmp_path / f"{policy}.json"
-    proc = subprocess.run([sys.executable, __file__, policy, str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
-    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    return run_script_report(__file__, [policy], tmp_path / f"{policy}.json", timeout=900)
 
 
 @pytest.mark.vllm
