@@ -28,6 +28,7 @@ __all__ = [
     "PrefillDims",
     "check_decode_args",
     "check_decode_index_range",
+    "check_int32_slots",
     "check_prefill_args",
     "check_shape_dtype_device",
     "check_tensor",
@@ -35,6 +36,24 @@ __all__ = [
 ]
 
 HEAD_DIM = fp8_ds_mla.HEAD_DIM  # 512 = d_qk = d_v
+INT32_MAX = 2**31 - 1
+
+
+def check_int32_slots(where: str, slots: torch.Tensor, block_size: int) -> None:
+    """Raise ``ValueError`` if a global slot id (``block_id * block_size + offset``,
+    computed in int64) does not fit FlashMLA's int32 ``indices``.
+
+    Copying such an id into an int32 table would wrap it to another slot, or to a
+    negative (skipped) one, without a word. Only block ids ``>= 2**31 / block_size``
+    (33.5M blocks of 64 entries) get there, far past any cache that fits in memory,
+    so this is one reduction per table, not a practical limit.
+    """
+    if slots.numel() and int(slots.max()) > INT32_MAX:
+        raise ValueError(
+            f"{where}: global slot id {int(slots.max())} (block id * block_size {block_size} "
+            f"+ offset) does not fit FlashMLA's int32 indices (max {INT32_MAX}): the block "
+            f"table names a block id above {INT32_MAX // block_size}"
+        )
 
 
 def check_shape_dtype_device(

@@ -31,6 +31,7 @@ from vllm_dsv4_backend.formats import indexer_cache as ic
 from vllm_dsv4_backend.formats import mxfp4
 from vllm_dsv4_backend.ops import rope
 from vllm_dsv4_backend.ops.blas import gemm_one_thread, lone_gemm
+from vllm_dsv4_backend.ops.checks import check_int32_slots
 
 __all__ = [
     "DEFAULT_CHUNK_ELEMS",
@@ -646,7 +647,8 @@ def local_to_global(
         ``(global_indices [T, K] int32, lens [T] int32)``.
 
     Raises:
-        ValueError: bad shapes/dtypes/devices or ``block_size <= 0``.
+        ValueError: bad shapes/dtypes/devices, ``block_size <= 0``, or a
+            global slot id that does not fit int32 (``>= 2**31``).
     """
     where = "local_to_global"
     _check(where, "topk_local", topk_local, (None, None), _INT_IN, None)
@@ -683,8 +685,9 @@ def local_to_global(
         rows = token_to_req.long().clamp(0, block_table.shape[0] - 1).unsqueeze(1)
         blocks = block_table[rows, col.clamp_(max=max_blocks - 1)].long()
         ok &= blocks >= 0
-        slots = blocks.mul_(block_size).add_(safe % block_size)
-        out_indices.copy_(slots.masked_fill_(~ok, -1))
+        slots = blocks.mul_(block_size).add_(safe % block_size).masked_fill_(~ok, -1)
+        check_int32_slots(where, slots, block_size)
+        out_indices.copy_(slots)
     lens = valid.sum(dim=1)
     if is_valid_token is not None:
         lens.masked_fill_(~is_valid_token, 0)

@@ -16,6 +16,7 @@ import functools
 import torch
 
 from vllm_dsv4_backend._checks import check_tensor
+from vllm_dsv4_backend.ops.checks import check_int32_slots
 
 
 def _map_to_global(
@@ -32,7 +33,9 @@ def _map_to_global(
     slots = blocks * block_size + safe % block_size
     # A -1 (unallocated) block-table entry must never turn into a real slot.
     valid = valid & (blocks >= 0)
-    out.copy_(torch.where(valid, slots, torch.full_like(slots, -1)))
+    slots = torch.where(valid, slots, torch.full_like(slots, -1))
+    check_int32_slots("visible_slots", slots, block_size)
+    out.copy_(slots)
 
 
 def visible_slots(

@@ -1,0 +1,518 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Physical block ids past the int32 byte-offset boundary, for every cache format (torch only).
+
+The field bug class (vllm-ascend#16870): a kernel computes ``block_id * block_bytes`` in int32,
+so above block ``2**31 / block_bytes`` the offset wraps and writes, reads and the indexer's top-k
+silently use another block. Here every plugin op that addresses a paged cache runs with block ids
+whose byte offset is ``>= 2**31``: the ``fp8_ds_mla`` 584 B KV cache (SWA / C4 blocks of 64
+tokens, C128 blocks of 2 entries, padded to a multiple of 576 B), the indexer K cache (FP8 132 B
+and MXFP4 68 B entries, 64 per block) and the fp32 compressor state cache. Checked against
+float64 oracles and byte decoders written here and in ``oracle.py`` (no plugin code): writes land
+in the named entries' bytes and nowhere else, reads, sparse MLA, indexer logits and top-k agree
+with the oracle.
+
+Memory: the caches are views of one ``2**31 + 8 MiB`` uint8 buffer from ``torch.empty``, which
+the OS maps lazily, so only the few blocks a test poisons and writes become resident (a few
+MiB); it is allocated once per module and freed after it. Bytes no entry owns are 0xFF (NaN in
+e4m3, bf16 and fp32, the MXFP4 NaN scale), in the far blocks and in block 0, where an offset
+taken modulo ``2**31`` would land.
+
+tests/vllm/test_high_block_ids_vllm.py runs vLLM's C++ CPU ops on the same geometry.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+from oracle import (
+    DECODE_LSE_TOL,
+    DECODE_OUT_TOL,
+    assert_flashmla_close,
+    dequant_slots_f64,
+    e4m3_table,
+    quantize_ref,
+    read_token_bytes,
+    round_to_e4m3,
+    sparse_decode_ref,
+)
+
+from vllm_dsv4_backend import ops
+from vllm_dsv4_backend.formats import fp8_ds_mla as F
+from vllm_dsv4_backend.formats import indexer_cache as ic
+from vllm_dsv4_backend.formats import mxfp4
+from vllm_dsv4_backend.ops import compressor as comp_ops
+from vllm_dsv4_backend.ops import indexer as ix
+from vllm_dsv4_backend.ops import slots as slot_ops
+
+BOUNDARY = 1 << 31
+FAR_BYTES = BOUNDARY + (8 << 20)
+POISON = 0xFF
+E4M3 = e4m3_table()
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+ROPE = 64
+EPS = 1e-6
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    """Small ops on a shared 2-core box: one intra-op thread avoids OpenMP barrier stalls."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@dataclass
+class Far:
+    """The lazily mapped buffer and the cache views over it."""
+
+    buf: torch.Tensor
+
+    def blocks(self, block_bytes: int, stride: int, count: int, after: int = BOUNDARY
+               ) -> tuple[torch.Tensor, int]:
+        """A uint8 ``[b0 + count, block_bytes]`` view with row stride ``stride`` from byte 0
+        and ``b0``, its first block starting at or after byte ``after`` (so the byte offset of
+        blocks ``b0 ..`` is ``>= 2**31``); blocks ``b0 ..`` and block 0 are poisoned."""
+        b0 = -(-after // stride)
+        assert b0 * stride >= BOUNDARY and (b0 + count) * stride <= self.buf.numel()
+        view = self.buf.as_strided((b0 + count, block_bytes), (stride, 1), 0)
+        view[b0:].fill_(POISON)
+        view[0].fill_(POISON)
+        return view, b0
+
+    def end(self, stride: int, b0: int, count: int) -> int:
+        """First byte after blocks ``b0 .. b0 + count - 1`` (where the next region may go)."""
+        return (b0 + count) * stride
+
+
+@pytest.fixture(scope="module")
+def far() -> Iterator[Far]:
+    # torch.empty does not touch the pages: only what the tests fill becomes resident.
+    buf = torch.empty(FAR_BYTES, dtype=torch.uint8)
+    yield Far(buf)
+    del buf
+
+
+Span = tuple[int, int, int]  # (block, first byte, end byte) inside a block row
+
+
+def _untouched(view2d: torch.Tensor, b0: int, written: list[Span]) -> None:
+    """Every byte of the poisoned rows (block 0 and blocks ``b0..``) outside the ``written``
+    spans is still the poison. Only those rows are read: the rest of the view is never
+    touched (reading it would map 2 GiB)."""
+    rows = [0, *range(b0, view2d.shape[0])]
+    where = {b: i for i, b in enumerate(rows)}
+    got = view2d[torch.tensor(rows)]
+    mask = torch.zeros(got.shape, dtype=torch.bool)
+    for b, lo, hi in written:
+        mask[where[b], lo:hi] = True
+    bad = (got != POISON) & ~mask
+    assert not bool(bad.any()), f"{int(bad.sum())} byte(s) outside the written entries changed"
+
+
+# --------------------------------------------------------------------------------------------
+# fp8_ds_mla (584 B/token, block-split, padded block stride)
+# --------------------------------------------------------------------------------------------
+def _mla_cache(far: Far, block_size: int, count: int, after: int = BOUNDARY
+               ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """``(cache [nb, B, 584], blocks_2d, b0, end)`` with blocks ``b0..`` past 2**31 bytes."""
+    stride = F.padded_block_stride(block_size)
+    view2d, b0 = far.blocks(F.BYTES_PER_TOKEN * block_size, stride, count, after)
+    cache = view2d.as_strided((view2d.shape[0], block_size, F.BYTES_PER_TOKEN),
+                              (stride, F.BYTES_PER_TOKEN, 1), 0)
+    return cache, view2d, b0, far.end(stride, b0, count)
+
+
+def _mla_spans(block_size: int, slots: torch.Tensor) -> list[Span]:
+    spans = []
+    for s in slots.tolist():
+        b, t = divmod(s, block_size)
+        spans += [(b, 576 * t, 576 * (t + 1)),
+                  (b, 576 * block_size + 8 * t, 576 * block_size + 8 * (t + 1))]
+    return spans
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("block_size", [64, 2], ids=["swa_c4_block64", "c128_block2"])
+def test_fp8_ds_mla_insert_and_gather_far_blocks(far: Far, block_size: int,
+                                                 slot_dtype: torch.dtype) -> None:
+    """Rows inserted at far slots (mixed with a block-0 slot in one call) hold exactly the
+    oracle quantizer's bytes, nothing else in the poisoned blocks changes, and the gather
+    decodes them as the float64 byte decoder does."""
+    cache, view2d, b0, _ = _mla_cache(far, block_size, 2)
+    g = torch.Generator().manual_seed(1)
+    far_slots = torch.randperm(2 * block_size, generator=g)[: min(6, 2 * block_size)]
+    slots = torch.cat([far_slots + b0 * block_size, torch.tensor([1])]).to(slot_dtype)
+    kv = (torch.randn(len(slots), 512, generator=g) / 4).to(torch.bfloat16)
+    F.quantize_and_insert(kv, cache, slots)
+
+    nope, rope, scale, pad = read_token_bytes(cache, slots)
+    want_nope, want_scale, want_rope = quantize_ref(kv)
+    assert torch.equal(nope, want_nope)
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(rope.view(torch.int16), want_rope.view(torch.int16))
+    assert bool((pad == 0).all())
+    _untouched(view2d, b0, _mla_spans(block_size, slots.long()))
+
+    # The gather, with -1 and the same far slots in another order.
+    read = torch.cat([slots.flip(0), torch.tensor([-1], dtype=slot_dtype)])
+    got = F.dequantize_and_gather(cache, read)
+    assert torch.equal(got[:-1].double(), dequant_slots_f64(cache, read[:-1]))
+    assert bool((got[-1] == 0).all())
+
+
+def _named_indices(g: torch.Generator, b: int, topk: int, pool: torch.Tensor,
+                   lens: torch.Tensor | None) -> torch.Tensor:
+    """int32 ``[b, 1, topk]`` drawn from ``pool`` with -1 holes (and garbage past ``lens``)."""
+    idx = pool[torch.randint(0, len(pool), (b, 1, topk), generator=g)].to(torch.int32)
+    idx[torch.rand(b, 1, topk, generator=g) < 0.2] = -1
+    if lens is not None:
+        beyond = torch.arange(topk).view(1, 1, -1) >= lens.view(-1, 1, 1).long()
+        idx[beyond] = -1
+    return idx
+
+
+@pytest.mark.parametrize("extra_block_size", [64, 2], ids=["c4", "c128"])
+@pytest.mark.parametrize("shape", ["decode", "prefill_dedup"])
+def test_sparse_mla_decode_far_blocks(far: Far, extra_block_size: int, shape: str) -> None:
+    """Sparse MLA over a window cache and a compressed cache whose named slots sit past the
+    boundary (plus block-0 slots) agrees with the float64 oracle, which decodes the same
+    bytes by hand. ``prefill_dedup``: enough rows to take the deduplicated path."""
+    win, win2d, wb0, end = _mla_cache(far, 64, 2)
+    comp, comp2d, cb0, _ = _mla_cache(far, extra_block_size, 2, after=end)
+    g = torch.Generator().manual_seed(7 + extra_block_size)
+    win_pool = torch.cat([torch.arange(wb0 * 64, (wb0 + 2) * 64), torch.tensor([3, 60])])
+    comp_pool = torch.cat([torch.arange(cb0 * extra_block_size,
+                                        (cb0 + 2) * extra_block_size), torch.tensor([1])])
+    for cache, pool in ((win, win_pool), (comp, comp_pool)):
+        kv = (torch.randn(len(pool), 512, generator=g) / 10).clamp(-1, 1).to(torch.bfloat16)
+        F.quantize_and_insert(kv, cache, pool)
+    if shape == "decode":
+        b, h, n1, n2 = 3, 64, 128, 128
+    else:
+        b, h, n1, n2 = 128, 8, 384, 128
+        assert b * (n1 + n2) >= ops.torch_sparse_mla.DEDUP_MIN_ENTRIES
+    lens = torch.randint(n1 // 2, n1 + 1, (b,), generator=g, dtype=torch.int32)
+    idx = _named_indices(g, b, n1, win_pool, lens)
+    extra = _named_indices(g, b, n2, comp_pool, None)
+    q = torch.randn(b, 1, h, 512, generator=g).clamp(-1, 1).to(torch.bfloat16)
+    sink = torch.randn(h, generator=g) + 4.0
+    scale = 512**-0.5
+    out, lse = ops.sparse_mla_decode(q, win, idx, lens, sink, scale, comp, extra, None)
+    ref_out, ref_lse = sparse_decode_ref(q, [(win, idx, lens), (comp, extra, None)], sink, scale)
+    assert_flashmla_close(out, ref_out, name="out", **DECODE_OUT_TOL)
+    assert_flashmla_close(lse, ref_lse, name="lse", **DECODE_LSE_TOL)
+
+
+# --------------------------------------------------------------------------------------------
+# indexer K cache (FP8 132 B / MXFP4 68 B per entry, 64 entries per block)
+# --------------------------------------------------------------------------------------------
+IND_BS = 64
+
+
+def _ind_cache(far: Far, dtype: str, count: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    eb = ic.entry_bytes(dtype)
+    view2d, b0 = far.blocks(IND_BS * eb, IND_BS * eb, count)
+    return view2d.view(view2d.shape[0], IND_BS, eb), view2d, b0
+
+
+def _ind_layout(dtype: str, slot: int) -> tuple[int, int, int, int, int]:
+    """``(block, value offset, value bytes, scale offset, scale bytes)`` in a block row."""
+    vb = ic.HEAD_DIM if dtype == "fp8" else ic.HEAD_DIM // 2
+    b, o = divmod(slot, IND_BS)
+    return b, vb * o, vb, vb * IND_BS + 4 * o, 4
+
+
+def _ind_decode_f64(view2d: torch.Tensor, dtype: str, slots: list[int]) -> torch.Tensor:
+    """float64 ``[M, 128]`` keys decoded from the raw block bytes."""
+    rows = []
+    for s in slots:
+        b, vo, vb, so, sb = _ind_layout(dtype, s)
+        vals, scl = view2d[b, vo : vo + vb], view2d[b, so : so + sb]
+        if dtype == "fp8":
+            rows.append(E4M3[vals.long()] * float(scl.clone().view(torch.float32)))
+        else:
+            nib = torch.stack([vals.long() & 0xF, vals.long() >> 4], -1).reshape(-1)
+            mag = E2M1[nib & 7] * torch.where(nib >= 8, -1.0, 1.0).double()
+            rows.append((mag.view(4, 32) * torch.pow(2.0, scl.double() - 127).view(4, 1))
+                        .reshape(-1))
+    return torch.stack(rows)
+
+
+def _ind_encode_ref(k: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Oracle bytes of keys ``[N, 128]``: FP8 (e4m3 + fp32 power-of-two scale, amax floor
+    1e-4) or MXFP4 (e2m1 pairs, even element in the low nibble, ue8m0 per 32)."""
+    x = k.double()
+    if dtype == "fp8":
+        e = [math.ceil(math.log2(max(float(a), 1e-4) / 448.0)) for a in x.abs().amax(-1)]
+        s = torch.pow(2.0, torch.tensor(e, dtype=torch.float64)).unsqueeze(-1)
+        vals = round_to_e4m3((x / s).clamp(-448, 448))
+        return vals, s.float().view(torch.uint8).view(-1, 4)
+    blocks = x.view(-1, 4, 32)
+    e = torch.tensor([[math.ceil(math.log2(max(float(a), 6 * 2.0**-126) / 6.0)) for a in r]
+                      for r in blocks.abs().amax(-1)], dtype=torch.float64)
+    y = (blocks / torch.pow(2.0, e).unsqueeze(-1)).abs().clamp(max=6.0)
+    dist = (y.unsqueeze(-1) - E2M1).abs()
+    # Nearest grid value, ties to the even code.
+    key = dist * 4 + (torch.arange(8) % 2).double() * 1e-9
+    code = key.argmin(-1) | (torch.signbit(blocks).long() << 3)
+    code = code.view(-1, 64, 2)
+    packed = (code[..., 0] | (code[..., 1] << 4)).to(torch.uint8)
+    return packed, (e + 127).to(torch.uint8).view(-1, 4)
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", ["fp8", "mxfp4"])
+def test_indexer_cache_insert_and_gather_far_blocks(far: Far, dtype: str,
+                                                    slot_dtype: torch.dtype) -> None:
+    """Keys inserted at far slots hold the oracle's bytes, nothing else changes, and the
+    gather returns the float64 decode of those bytes."""
+    cache, view2d, b0 = _ind_cache(far, dtype, 2)
+    g = torch.Generator().manual_seed(3)
+    slots = torch.cat([torch.randperm(2 * IND_BS, generator=g)[:7] + b0 * IND_BS,
+                       torch.tensor([5])]).to(slot_dtype)
+    k = torch.randn(len(slots), 128, generator=g).to(torch.bfloat16)
+    ic.quantize_and_insert(k, cache, slots, dtype)
+
+    want_vals, want_scl = _ind_encode_ref(k, dtype)
+    written: list[Span] = []
+    for i, s in enumerate(slots.tolist()):
+        b, vo, vb, so, sb = _ind_layout(dtype, s)
+        assert torch.equal(view2d[b, vo : vo + vb], want_vals[i]), f"values of slot {s}"
+        assert torch.equal(view2d[b, so : so + sb], want_scl[i]), f"scale of slot {s}"
+        written += [(b, vo, vo + vb), (b, so, so + sb)]
+    _untouched(view2d, b0, written)
+
+    read = torch.cat([slots.flip(0), torch.tensor([-1], dtype=slot_dtype)])
+    got = ic.dequantize_and_gather(cache, read, dtype)
+    assert torch.equal(got[:-1].double(), _ind_decode_f64(view2d, dtype, read[:-1].tolist()))
+    assert bool((got[-1] == 0).all())
+
+
+def _logits_ref(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, lens: torch.Tensor
+                ) -> torch.Tensor:
+    """float64 ``I[t, j] = sum_h w[t, h] relu(q[t, h] . k[t, j])``, -inf for ``j >= lens[t]``."""
+    s = torch.einsum("thd,tjd->thj", q, keys).clamp(min=0)
+    out = torch.einsum("th,thj->tj", w.double(), s)
+    return out.masked_fill(torch.arange(keys.shape[1]) >= lens.view(-1, 1), -math.inf)
+
+
+@pytest.mark.parametrize("layout", ["one_request", "per_token"])
+@pytest.mark.parametrize("dtype", ["fp8", "mxfp4"])
+def test_indexer_logits_and_topk_far_pages(far: Far, dtype: str, layout: str) -> None:
+    """Indexer logits over pages past the boundary (a block-0 page in between) match the
+    float64 oracle; the causal top-k is the oracle's set; local -> global slots land in the
+    far blocks. ``one_request``: every token reads one page row (the shared-row path);
+    ``per_token``: two requests with their own rows."""
+    cache, view2d, b0 = _ind_cache(far, dtype, 3)
+    g = torch.Generator().manual_seed(11)
+    pages = torch.tensor([[b0 + 1, 0, b0 + 2, b0], [b0 + 2, b0, 0, b0 + 1]], dtype=torch.int32)
+    t, h, topk = 6, 64, 48
+    n_entries = pages.shape[1] * IND_BS
+    # One key per (page, entry): the rows share the pages, in different orders.
+    all_slots = (torch.tensor([b0, b0 + 1, b0 + 2, 0]).repeat_interleave(IND_BS) * IND_BS
+                 + torch.arange(IND_BS).repeat(4))
+    k = torch.randn(len(all_slots), 128, generator=g).to(torch.bfloat16)
+    ic.quantize_and_insert(k, cache, all_slots, dtype)
+    req = torch.zeros(t, dtype=torch.int64) if layout == "one_request" else torch.arange(t) % 2
+    lens = torch.tensor([n_entries, 200, 131, 40, n_entries - 3, 97])
+
+    qf = torch.randn(t, h, 128, generator=g)
+    if dtype == "fp8":
+        q, q_scale = qf.to(torch.float8_e4m3fn), None
+        q64 = E4M3[q.view(torch.uint8).long()]
+    else:
+        q, q_scale = mxfp4.quantize(qf)
+        nib = torch.stack([q.long() & 0xF, q.long() >> 4], -1).reshape(t, h, 128)
+        q64 = (E2M1[nib & 7] * torch.where(nib >= 8, -1.0, 1.0).double()).view(t, h, 4, 32)
+        q64 = (q64 * torch.pow(2.0, q_scale.double() - 127).unsqueeze(-1)).view(t, h, 128)
+    w = torch.rand(t, h, generator=g)
+    logits = ix.indexer_logits(q, q_scale, w, cache, lens, pages, dtype=dtype,
+                               token_to_req=req, max_seq_len=n_entries)
+
+    slots = (pages.long()[req].repeat_interleave(IND_BS, dim=1) * IND_BS
+             + torch.arange(IND_BS).repeat(pages.shape[1]))  # [t, n_entries]
+    uniq, inv = torch.unique(slots, return_inverse=True)
+    keys = _ind_decode_f64(view2d, dtype, uniq.tolist())[inv]  # [t, n_entries, 128]
+    ref = _logits_ref(q64, w, keys, lens)
+    valid = torch.isfinite(ref)
+    assert torch.equal(torch.isneginf(logits), ~valid)
+    scale = float(ref[valid].abs().max())
+    torch.testing.assert_close(logits[valid].double(), ref[valid], rtol=1e-5, atol=1e-6 * scale)
+
+    local = ix.indexer_topk(logits, None, topk, seq_lens=lens)
+    for r in range(t):
+        n = int(lens[r])
+        top = torch.topk(ref[r, :n], min(n, topk + 1))
+        if n > topk:
+            gap = float(top.values[topk - 1] - top.values[topk])
+            assert gap > 1e-4 * scale, "the case must rank unambiguously"
+            want = set(top.indices[:topk].tolist())
+        else:
+            want = set(range(n))
+        got = local[r]
+        assert set(got[got >= 0].tolist()) == want, f"row {r}"
+
+    glob, glens = ix.local_to_global(local, req, pages, IND_BS)
+    want_glob = torch.where(local >= 0, slots.gather(1, local.long().clamp(min=0)),
+                            torch.full_like(local, -1, dtype=torch.int64))
+    assert torch.equal(glob.long(), want_glob)
+    assert glens.tolist() == lens.clamp(max=topk).tolist()
+
+
+# --------------------------------------------------------------------------------------------
+# slot ids that int32 cannot hold
+# --------------------------------------------------------------------------------------------
+def test_global_slot_ids_past_int32_are_refused() -> None:
+    """A block id whose global slot id (``block * block_size + offset``) is ``>= 2**31``
+    cannot go into FlashMLA's int32 indices: both slot-table builders raise instead of
+    wrapping it to another slot (the ids one below the limit still map)."""
+    bs = 64
+    top_block = (2**31 - 1) // bs  # its last slot is 2**31 - 1
+    local = torch.tensor([[0, bs - 1, -1]])
+    ok, _ = ix.local_to_global(local, torch.tensor([0]), torch.tensor([[top_block]]), bs)
+    assert ok.tolist() == [[top_block * bs, top_block * bs + bs - 1, -1]]
+    with pytest.raises(ValueError, match="int32"):
+        ix.local_to_global(local, torch.tensor([0]), torch.tensor([[top_block + 1]]), bs)
+
+    out_idx = torch.empty(1, 4, dtype=torch.int32)
+    out_lens = torch.empty(1, dtype=torch.int32)
+    args = dict(positions=torch.tensor([3]), token_to_req=torch.tensor([0]), block_size=bs,
+                arange=torch.arange(4, dtype=torch.int32))
+    slot_ops.window_slots(out_idx, out_lens, block_table=torch.tensor([[top_block]]), **args)
+    assert out_idx.tolist() == [[top_block * bs + i for i in range(4)]]
+    with pytest.raises(ValueError, match="int32"):
+        slot_ops.window_slots(out_idx, out_lens, block_table=torch.tensor([[top_block + 1]]),
+                              **args)
+
+
+# --------------------------------------------------------------------------------------------
+# compressor: fp32 state cache and the three quantized stores
+# --------------------------------------------------------------------------------------------
+def _state_cache(far: Far, row: int, sbs: int, count: int, after: int
+                 ) -> tuple[torch.Tensor, int, int]:
+    """fp32 ``[nb, sbs, row]`` view whose blocks ``b0..`` start past 2**31 bytes, NaN."""
+    stride = sbs * row  # elements
+    b0 = -(-after // (4 * stride))
+    assert 4 * b0 * stride >= BOUNDARY and 4 * (b0 + count) * stride <= FAR_BYTES
+    f32 = far.buf.view(torch.float32)
+    st = f32.as_strided((b0 + count, sbs, row), (stride, row, 1), 0)
+    st[b0:].fill_(math.nan)
+    return st, b0, 4 * (b0 + count) * stride
+
+
+def _compress_ref(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, p: int, ratio: int,
+                  d: int, rms_w: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """float64 compressed entry of the window ending at ``p`` from the raw per-position rows
+    (softmax over the window per channel, C4 overlap on channels ``[:d]``, RMSNorm, GPT-J
+    RoPE at the window start)."""
+    coff = 2 if ratio == 4 else 1
+    j = p // ratio
+    kv64 = kv.double()
+    sc64 = score.double() + ape.double()[torch.arange(kv.shape[0]) % ratio]
+    cur = torch.arange(j * ratio, (j + 1) * ratio)
+    rows_kv, rows_sc = [kv64[cur, d * (coff - 1):d * coff]], [sc64[cur, d * (coff - 1):d * coff]]
+    if coff == 2 and j > 0:
+        prev = torch.arange((j - 1) * ratio, j * ratio)
+        rows_kv.insert(0, kv64[prev, :d])
+        rows_sc.insert(0, sc64[prev, :d])
+    x = (torch.softmax(torch.cat(rows_sc), 0) * torch.cat(rows_kv)).sum(0)
+    y = x / torch.sqrt((x * x).mean() + EPS) * rms_w.double()
+    cs = cos_sin[j * ratio].double()
+    cos, sin = cs[: ROPE // 2], cs[ROPE // 2 :]
+    e, o = y[d - ROPE :: 2].clone(), y[d - ROPE + 1 :: 2].clone()
+    y[d - ROPE :: 2] = e * cos - o * sin
+    y[d - ROPE + 1 :: 2] = o * cos + e * sin
+    return y
+
+
+def _fp8_close(dec: torch.Tensor, ref: torch.Tensor, tile_scale: torch.Tensor) -> None:
+    """e4m3 of the bf16-rounded value: within half an e4m3 ulp (2**-4 relative, 2**-10 of the
+    tile scale for subnormals) plus bf16 and fp32 rounding."""
+    tol = ref.abs() * (2.0**-4 + 2.0**-8) + tile_scale * 2.0**-10 + 1e-6
+    bad = (dec - ref).abs() > tol
+    assert not bool(bad.any()), (
+        f"{int(bad.sum())} value(s) off, e.g. {dec[bad][:3].tolist()} vs {ref[bad][:3].tolist()}"
+    )
+
+
+@pytest.mark.parametrize("store", ["main", "fp8", "mxfp4"])
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_compressor_far_state_and_caches(far: Far, ratio: int, store: str) -> None:
+    """``save_partial_states`` writes the raw rows into far state blocks (exactly, nothing
+    else), and the compress store reads its window there and writes its entry into a far
+    block of the KV / indexer cache: the entry decodes to the float64 oracle within the
+    format's rounding and has the bytes the same op writes at low block ids."""
+    d = 512 if store == "main" else 128
+    coff = 2 if ratio == 4 else 1
+    width, sbs = coff * d, 4 if ratio == 4 else 8
+    window = coff * ratio
+    n_pos = window  # positions 0 .. window-1; the last one closes window j = n_pos//ratio - 1
+    st, sb0, end = _state_cache(far, 2 * width, sbs, -(-n_pos // sbs), BOUNDARY)
+    g = torch.Generator().manual_seed(ratio + d)
+    kv = torch.randn(n_pos, width, generator=g)
+    score = 2.0 * torch.randn(n_pos, width, generator=g)
+    ape = 0.5 * torch.randn(ratio, width, generator=g)
+    pos = torch.arange(n_pos)
+    state_slots = sb0 * sbs + pos
+    comp_ops.save_partial_states(kv, score, ape, pos, st, state_slots)
+    got_rows = st.reshape(-1, 2 * width)[state_slots]
+    want_rows = torch.cat([kv.double(), score.double() + ape.double()[pos % ratio]], 1)
+    assert torch.equal(got_rows.double(), want_rows.float().double())
+    assert bool(st[sb0:].reshape(-1, 2 * width)[n_pos:].isnan().all())
+
+    p = n_pos - 1
+    gather = torch.where(pos + p - window + 1 >= 0, state_slots, -1).view(1, -1)
+    rms_w = 1.0 + 0.3 * torch.randn(d, generator=g)
+    angles = torch.arange(n_pos).double().unsqueeze(1) / 10000 ** (torch.arange(32) / 32)
+    cos_sin = torch.cat([angles.cos(), angles.sin()], 1).float()
+
+    if store == "main":
+        cbs = 64 if ratio == 4 else 2
+        cache, view2d, cb0, _ = _mla_cache(far, cbs, 1, after=end)
+        low = F.allocate_cache(1, cbs, fill=POISON)
+        kv_2d, low_2d = view2d, F.cache_layout(low).blocks_2d(low)
+        store_fn, kw = comp_ops.compress_norm_rope_store_main, {}
+    else:
+        cbs = IND_BS
+        eb = ic.entry_bytes(store)
+        view2d, cb0 = far.blocks(cbs * eb, cbs * eb, 1, after=end)
+        kv_2d, low_2d = view2d, torch.full((1, cbs * eb), POISON, dtype=torch.uint8)
+        store_fn, kw = comp_ops.compress_norm_rope_store_indexer, {"indexer_kv_dtype": store}
+    entry = cbs - 1
+    store_fn(st, gather, torch.tensor([p]), torch.tensor([cb0 * cbs + entry]), rms_w, EPS,
+             cos_sin, kv_2d, cbs, ratio, **kw)
+
+    # The same op on a one-block state and cache at block ids 0 writes the same bytes.
+    st_low = st[sb0:].clone()
+    store_fn(st_low, gather - sb0 * sbs, torch.tensor([p]), torch.tensor([entry]), rms_w, EPS,
+             cos_sin, low_2d, cbs, ratio, **kw)
+    assert torch.equal(kv_2d[cb0], low_2d[0])
+
+    ref = _compress_ref(kv, score, ape, p, ratio, d, rms_w, cos_sin)
+    slot = torch.tensor([cb0 * cbs + entry])
+    if store == "main":
+        dec = dequant_slots_f64(cache, slot)[0]
+        _, _, scl, _ = read_token_bytes(cache, slot)
+        tile = torch.pow(2.0, scl[0].double() - 127).repeat_interleave(64)
+        _fp8_close(dec[:448], ref[:448], tile)
+        torch.testing.assert_close(dec[448:], ref[448:], rtol=2.0**-8, atol=1e-6)
+        written = _mla_spans(cbs, slot)
+    else:
+        dec = _ind_decode_f64(view2d, store, slot.tolist())[0]
+        b, vo, vb, so, sb = _ind_layout(store, int(slot))
+        if store == "fp8":
+            s = float(view2d[b, so : so + sb].clone().view(torch.float32))
+            _fp8_close(dec, ref, torch.full_like(ref, s))
+        else:
+            s = torch.pow(2.0, view2d[b, so : so + sb].double() - 127).repeat_interleave(32)
+            # e2m1 steps: 0.5 below 2, 1 below 4, 2 up to 6 (in units of the block scale).
+            tol = torch.clamp(ref.abs() / s / 4, min=0.25) * s + ref.abs() * 2.0**-8 + 1e-6
+            assert bool(((dec - ref).abs() <= tol).all())
+        written = [(b, vo, vo + vb), (b, so, so + sb)]
+    _untouched(view2d, cb0, written)
