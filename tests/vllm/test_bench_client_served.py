@@ -7,6 +7,7 @@ tests/core/test_e2e_layers.py)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,9 @@ def test_measure_block_on_the_served_model(tiny_server) -> None:
     prompts = [ids[100:108], ids[200:216], ids[300:302]]
     m = E.measure_block(tiny_server.base_url, tiny_server.model, prompts, 5, tiny_server.pid)
     assert m["output_tokens"] == 15  # ignore_eos: every request makes all 5 tokens
-    assert 0 < m["mean_ttft_ms"] < 60_000 and 0 < m["mean_tpot_ms"] < 60_000
+    # The figures exist and are finite; their size is the machine's.
+    for key in ("mean_ttft_ms", "mean_tpot_ms"):
+        assert math.isfinite(m[key]) and m[key] > 0, key
     assert m["output_throughput"] == pytest.approx(15 / m["wall_s"])
     # The server's process tree worked for those tokens (engine core and worker at least).
     assert m["cpu_ms_per_token"] > 0
