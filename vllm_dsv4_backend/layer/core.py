@@ -23,8 +23,10 @@ platform lives here, once:
   :class:`~vllm_dsv4_backend.eager.Step` per micro-batch and the stream it
   was opened on), which also marks the served model steps
   (``WorkspaceManager.model_step``: one per forward of the model's first
-  layer for micro-batch 0) and logs the live counters every
-  ``VLLM_DSV4_WORKSPACE_LOG_EVERY`` model steps and at shutdown.
+  layer for micro-batch 0; under pipeline parallelism the stage's first
+  layer) and logs the live counters every
+  ``VLLM_DSV4_WORKSPACE_LOG_EVERY`` model steps and at shutdown, naming that
+  layer (:func:`live_line`).
 
 This module imports no vLLM at import time (micro-batch ids are looked up
 lazily), so it loads under vLLM 0.32, 0.33 and 0.34 alike.
@@ -58,7 +60,9 @@ __all__ = [
     "StepHolder",
     "indexer_kv_dtype",
     "layer_kind",
+    "layer_span",
     "lease_plan",
+    "live_line",
     "make_workspace",
     "manager_for",
     "num_ubatches",
@@ -222,16 +226,31 @@ def reserve_and_report(
     )
     logger.info(
         "vllm_dsv4_backend workspace (%s): policy %s, %.1f MiB reserved (%s MiB) for %d "
-        "layers, %d micro-batch(es), max_num_batched_tokens %d",
+        "layers (%s), %d micro-batch(es), max_num_batched_tokens %d",
         platform,
         workspace.policy,
         stats["reserved_bytes_total"] / MIB,
         per_family or "none",
         stats["num_layers"],
+        layer_span(list(stats["reserved_bytes_per_layer"])),
         stats["num_ubatches"],
         stats["max_num_batched_tokens"],
     )
     return True
+
+
+def layer_span(names: list[str]) -> str:
+    """``first .. last`` of a workspace's layers (registration order), or the one
+    name: under pipeline parallelism each stage's lines name only its own layers."""
+    if not names:
+        return "none"
+    return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+
+
+def live_line(workspace: WorkspaceManager, label: str) -> str:
+    """The live summary plus the layer whose forwards mark the model steps (the
+    stage's first layer under pipeline parallelism)."""
+    return f"{workspace.live_summary(label)}, model steps at {workspace.first_layer}"
 
 
 # --- the step holder -----------------------------------------------------------------
@@ -292,7 +311,7 @@ class StepHolder:
             if self._counts_steps:
                 # Logged as model step N + 1 begins: N whole steps.
                 if self._log_every and self._seen and self._seen % self._log_every == 0:
-                    logger.info("%s", ws.live_summary(self.platform))
+                    logger.info("%s", live_line(ws, self.platform))
                 self._seen = ws.model_step()
         with eager.Step(ws, self.layer_name, num_tokens, ubatch) as step:
             self._steps[ubatch] = step
@@ -318,6 +337,6 @@ def _log_at_shutdown(workspace: WorkspaceManager, label: str) -> None:
     def log() -> None:
         ws = ref()
         if ws is not None:
-            logger.info("%s (at shutdown)", ws.live_summary(label))
+            logger.info("%s (at shutdown)", live_line(ws, label))
 
     multiprocessing.util.Finalize(None, log, exitpriority=10)

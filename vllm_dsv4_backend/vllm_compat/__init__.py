@@ -27,6 +27,12 @@ CPU only, vLLM 0.32 without Triton:
 * ``moe_expert_map`` — vLLM 0.32's CPU experts ignore ``expert_map`` under
   expert parallel and segfault in ``cpu_fused_moe``; global ids become local
   slots, another rank's experts weight 0.
+* ``pp_stage_kv_cache``, ``pp_intermediate_buffer`` — pipeline parallel:
+  a stage's KV cache plan names another stage's layer when a whole
+  ``UniformTypeKVCacheSpecs`` group is on the other stage (``StopIteration``
+  in ``allocate_kv_cache``; those tensors are dropped), and a later stage
+  lacks its receive buffer when no warm-up step ran (allocated on first use)
+  (:mod:`.pipeline`).
 * ``swa_unread_kernels`` — the plugin's CPU SWA metadata builder skips
   two vLLM kernels whose outputs no CPU layer reads (bound to a no-op during
   each build, restored after).
@@ -53,6 +59,7 @@ Modules:
 * :mod:`.hooks` — post-import hooks, the marker, signature checks, :class:`PatchError`.
 * :mod:`.version` — the 0.32.x (CPU) / 0.33.x and 0.34.x (CUDA) gate.
 * :mod:`.kernels` — the T1–T8 table and B1; :mod:`.loader` — the dummy loader;
+  :mod:`.pipeline` — the pipeline-parallel fixes;
   :mod:`.cpu_ops` — the ``_C`` fallbacks; :mod:`.attention` — the layer hook
   point; :mod:`.fingerprints` — drift checks of the vLLM bodies the layers repeat.
   The config hooks live in :mod:`vllm_dsv4_backend.attention_config` and

@@ -36,7 +36,7 @@ from typing import Any
 
 from vllm_dsv4_backend import attention_config, guards
 from vllm_dsv4_backend._logging import init_logger
-from vllm_dsv4_backend.vllm_compat import attention, hooks, kernels, loader
+from vllm_dsv4_backend.vllm_compat import attention, hooks, kernels, loader, pipeline
 
 __all__ = ["PATCHES", "Patch", "applied", "apply", "arm", "describe"]
 
@@ -356,6 +356,46 @@ PATCHES: dict[str, Patch] = {
             armed=False,
             applied_by="plugin.register() per VLLM_DSV4_ATTN_IMPL, through "
             "vllm_compat.attention.install_attention_layer (which arms its own import hook)",
+        ),
+        Patch(
+            name="pp_stage_kv_cache",
+            why="Under --pipeline-parallel-size vLLM 0.32 gives a stage a KV cache tensor for "
+            "another stage's layer when a KV cache group (a UniformTypeKVCacheSpecs) has none "
+            "of its layers: the projected group keeps the whole model's spec, whose layers "
+            "get_kv_cache_config_from_groups lays out; allocate_kv_cache then dies with "
+            "StopIteration (DeepSeek-V4, any attention layer: its C128 compressor-state group "
+            "is on one stage only).",
+            how="wraps kv_cache_utils.get_kv_cache_config_from_groups: drops the tensors whose "
+            "layers are on none of the stage's groups (pipeline.own_layer_tensors); offsets, "
+            "bytes per block and block counts already come from the groups' layer names; a "
+            "config without such a tensor is returned unchanged",
+            upstream="vllm/v1/core/kv_cache_utils.py: get_kv_cache_config_from_groups "
+            "(with _project_kv_cache_groups_to_worker)",
+            remove_when="vLLM projects an empty UniformTypeKVCacheSpecs group's spec too, or "
+            "lays out group.layer_names",
+            modules=(pipeline.KV_CACHE_MODULE,),
+            install=pipeline.install_stage_kv_cache,
+            platforms=("cpu",),
+        ),
+        Patch(
+            name="pp_intermediate_buffer",
+            why="Under --pipeline-parallel-size a later stage copies the hidden states it "
+            "receives into GPUModelRunner.intermediate_tensors, which only _dummy_run "
+            "allocates; vLLM 0.32's CPU worker runs no dummy step under --enforce-eager with "
+            "an explicit KV cache size (VLLM_CPU_KVCACHE_SPACE), so the first request fails "
+            "'assert self.intermediate_tensors is not None' on stage 1 (any model).",
+            how="wraps GPUModelRunner.sync_and_gather_intermediate_tensors (CPUModelRunner's "
+            "base; armed on CPU only): allocates the buffer as _dummy_run does "
+            "(model.make_empty_intermediate_tensors(max_num_tokens, model dtype, device)) when "
+            "it is missing, then vLLM's method",
+            upstream="vllm/v1/worker/gpu_model_runner.py: "
+            "GPUModelRunner.sync_and_gather_intermediate_tensors (inherited by "
+            "vllm/v1/worker/cpu_model_runner.py: CPUModelRunner)",
+            remove_when="vLLM's CPU runner allocates the intermediate tensors without a "
+            "warm-up step",
+            modules=(pipeline.RUNNER_MODULE,),
+            install=pipeline.install_intermediate_buffer,
+            platforms=("cpu",),
         ),
     )
 }
