@@ -3,30 +3,38 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 #
 # GPU check for a single CUDA machine whose image has torch + CUDA but no vLLM and no
-# network (e.g. one H200, torch 2.11), within ~5 minutes: the CUDA-graph harness (the
+# network (e.g. one H200, torch 2.11), in one call under 8 minutes: the CUDA-graph harness (the
 # plugin's CUDA layer under vLLM's own control flow, cut from the wheel into the stand-in
 # packages build/vllm_stub/<ver>, pre-generated here: carry build/vllm_stub) in every mode,
-# eager / breakable PIECEWISE / FULL, and pytest tests/gpu; writes one JSON,
-# $OUT/gpu_check.json, and prints a summary table last.
+# eager / breakable PIECEWISE / FULL, pytest tests/gpu, and real FlashMLA sparse decode
+# (vLLM 0.34's _flashmla_C.abi3.so carried in the bundle, tools/gpu_flashmla/check.py:
+# does it load on the box's torch, eager / CUDA graph / side stream against the plugin's
+# torch reference, a TORCH_CUDA_SANITIZER pass); writes one JSON, $OUT/gpu_check.json,
+# and prints a summary table last.
 #
 #   bash scripts/gpu_check.sh                  # on the GPU box; results in $OUT (or --out)
 #   bash scripts/gpu_check.sh --dry-run        # here: the same steps on CPU, with
 #                                              # `import vllm` blocked like on the box
 #   bash scripts/gpu_check.sh --make-bundle    # here, before: build the stubs (from
-#                                              # .venv-vllm033/.venv-vllm034 or the wheels)
-#                                              # and copy pytest & co. (pure Python) into
-#                                              # .scratch/gpu_bundle; carry both
+#                                              # .venv-vllm033/.venv-vllm034 or the wheels),
+#                                              # copy pytest & co. (pure Python) into
+#                                              # .scratch/gpu_bundle and vLLM's FlashMLA into
+#                                              # .scratch/gpu_bundle/flashmla; carry
+#                                              # build/vllm_stub and .scratch/gpu_bundle
 #
 # Nothing is installed: the package is torch-only and runs from the checkout
 # (PYTHONPATH=repo). If the box's Python has no pytest, the bundle made by --make-bundle
 # (default .scratch/gpu_bundle, or --bundle DIR) is put on PYTHONPATH; without either the
 # tests are reported as NOT RUN and the harness still runs.
 #
-# Environment: PYTHON (default python3, else python), OUT (results dir; default
-# .scratch/gpu_check), GPU_CHECK_TESTS (pytest paths; default "tests/gpu"), TEST_TIMEOUT
-# (s, default 120), HARNESS_TIMEOUT (s, default 170; HARNESS_VERSION_TIMEOUT, default 80,
-# per vLLM version), GPU_CHECK_HARNESS=0 (skip the harness). (The layer benchmark step is
-# gone with the unserved layer benchmark; the bench commands need vLLM.)
+# Environment: PYTHON (default python3, else python; in --dry-run .venv/bin/python, else
+# .venv-vllm034/bin/python, else python3), OUT (results dir; default .scratch/gpu_check),
+# GPU_CHECK_TESTS (pytest paths; default "tests/gpu"), TEST_TIMEOUT (s, default 120),
+# HARNESS_TIMEOUT (s, default 170; HARNESS_VERSION_TIMEOUT, default 80, per vLLM version),
+# GPU_CHECK_HARNESS=0 (skip the harness), FLASHMLA_TIMEOUT (s, default 150;
+# FLASHMLA_SANITIZER_TIMEOUT, default 90, its sanitizer pass), GPU_CHECK_FLASHMLA=0 (skip
+# it). The timeouts add up to under 8 minutes. (The layer benchmark step is gone with the
+# unserved layer benchmark; the bench commands need vLLM.)
 # Exit code: 0 when every step passed, 1 otherwise. The dry run builds the stubs when a
 # vLLM venv or wheel is there, runs the harness for one step, and does not fail for want
 # of a stub; on the box a missing stub fails.
@@ -46,14 +54,18 @@ while [ $# -gt 0 ]; do
     --make-bundle)
       if [ $# -gt 1 ] && [ "${2#--}" = "$2" ]; then MAKE_BUNDLE=$2; shift
       else MAKE_BUNDLE=$ROOT/.scratch/gpu_bundle; fi ;;
-    -h|--help) sed -n '4,32p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '4,39p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
 done
 
+# Here (dry run): the CPU venv, else a vLLM CUDA venv (torch + pytest; vLLM is blocked
+# below); on the box: its own python3 (venvs built here carry a CPU torch).
 if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
 elif [ $DRY = 1 ] && [ -x "$ROOT/.venv/bin/python" ]; then PY=$ROOT/.venv/bin/python
+elif [ $DRY = 1 ] && [ -x "$ROOT/.venv-vllm034/bin/python" ]; then
+  PY=$ROOT/.venv-vllm034/bin/python
 elif command -v python3 >/dev/null 2>&1; then PY=python3
 else PY=python; fi
 
@@ -108,6 +120,10 @@ for name in ("tomli", "exceptiongroup"):
             z.extractall(dest, [m for m in z.namelist() if m.startswith(name + "/")])
         print(f"gpu_check: bundled {name} from {os.path.basename(wheels[0])}")
 EOF
+  # vLLM's FlashMLA (the .so and its interface, rewired to load without vLLM).
+  if "$PY" tools/gpu_flashmla/bundle.py --dest "$MAKE_BUNDLE/flashmla"; then :
+  else echo "gpu_check: no FlashMLA bundle (needs .venv-vllm034: scripts/setup_vllm_cuda.sh 0.34)"
+  fi
   echo "gpu_check: bundle in $MAKE_BUNDLE (carry it to the GPU box; found automatically" \
        "at .scratch/gpu_bundle)"
   exit 0
@@ -195,18 +211,48 @@ elif [ $DRY = 1 ] || ls "$ROOT"/build/vllm_stub/*/vllm/__init__.py >/dev/null 2>
 fi
 T2=$SECONDS
 
+# Real FlashMLA sparse decode from the carried bundle (tools/gpu_flashmla). Here (dry run):
+# the bundle is built when missing and a vLLM venv has the .so; the load is reported (it
+# fails on a CPU torch) and the check runs over a CPU stand-in op.
+FM_BUNDLE=${BUNDLE:-$ROOT/.scratch/gpu_bundle}/flashmla
+FM_STATUS="NOT RUN"; FM_DETAIL="no FlashMLA bundle in $FM_BUNDLE (make it: --make-bundle)"
+if [ "${GPU_CHECK_FLASHMLA:-1}" = 0 ]; then
+  FM_STATUS=SKIPPED; FM_DETAIL="GPU_CHECK_FLASHMLA=0"
+else
+  if [ $DRY = 1 ] && [ ! -f "$FM_BUNDLE/manifest.json" ]; then
+    "$PY" tools/gpu_flashmla/bundle.py --dest "$FM_BUNDLE" || true
+  fi
+  if [ -f "$FM_BUNDLE/manifest.json" ]; then
+    FM_FLAGS=(--bundle "$FM_BUNDLE" --out "$OUT_DIR/flashmla_check.json"
+              --sanitizer-timeout "${FLASHMLA_SANITIZER_TIMEOUT:-90}")
+    [ $DRY = 1 ] && FM_FLAGS+=(--dry-run)
+    echo "== flashmla check ${FM_FLAGS[*]} (timeout ${FLASHMLA_TIMEOUT:-150} s)"
+    PYTHONUNBUFFERED=1 timeout "${FLASHMLA_TIMEOUT:-150}" "$PY" tools/gpu_flashmla/check.py \
+      "${FM_FLAGS[@]}" 2>&1 | tee "$OUT_DIR/flashmla_check.log"
+    rc=${PIPESTATUS[0]}
+    case $rc in
+      0) FM_STATUS=PASS ;;
+      124) FM_STATUS=TIMEOUT ;;
+      *) FM_STATUS="FAIL($rc)" ;;
+    esac
+    FM_DETAIL=$(tail -n 1 "$OUT_DIR/flashmla_check.log")
+  fi
+fi
+T3=$SECONDS
+
 
 echo
 echo "== gpu_check summary ($( [ $DRY = 1 ] && echo 'dry run, CPU' || echo CUDA ))"
 printf '%-8s %-10s %6s  %s\n' step status seconds detail
 printf '%-8s %-10s %6s  %s\n' pytest "$TEST_STATUS" $((T1 - T0)) "$TEST_DETAIL"
 printf '%-8s %-10s %6s  %s\n' harness "$HARNESS_STATUS" $((T2 - T1)) "$HARNESS_DETAIL"
+printf '%-8s %-10s %6s  %s\n' flashmla "$FM_STATUS" $((T3 - T2)) "$FM_DETAIL"
 # One JSON with everything: the steps and the harness reports.
 "$PY" - "$OUT_DIR" "$DRY" "$TEST_STATUS" "$TEST_DETAIL" "$HARNESS_STATUS" \
-  $((T1 - T0)) $((T2 - T1)) <<'EOF'
+  $((T1 - T0)) $((T2 - T1)) "$FM_STATUS" $((T3 - T2)) <<'EOF'
 import json, os, platform, sys
 import torch
-out, dry, ts, td, hs, t_test, t_h = sys.argv[1:]
+out, dry, ts, td, hs, t_test, t_h, fs, t_f = sys.argv[1:]
 def load(name):
     try:
         with open(os.path.join(out, name)) as f:
@@ -221,8 +267,10 @@ doc = {
     "steps": {
         "pytest": {"status": ts, "detail": td, "seconds": int(t_test)},
         "harness": {"status": hs, "seconds": int(t_h)},
+        "flashmla": {"status": fs, "seconds": int(t_f)},
     },
     "harness": load("cuda_graph.json"),
+    "flashmla": load("flashmla_check.json"),
 }
 with open(os.path.join(out, "gpu_check.json"), "w") as f:
     json.dump(doc, f, indent=1)
@@ -233,7 +281,12 @@ case "$HARNESS_STATUS" in
   PASS|SKIPPED) HARNESS_OK=1 ;;
   "NOT RUN") [ $DRY = 1 ] && HARNESS_OK=1 ;;
 esac
-if [ "$TEST_STATUS" = PASS ] && [ $HARNESS_OK = 1 ]; then
+FM_OK=0
+case "$FM_STATUS" in
+  PASS|SKIPPED) FM_OK=1 ;;
+  "NOT RUN") [ $DRY = 1 ] && FM_OK=1 ;;
+esac
+if [ "$TEST_STATUS" = PASS ] && [ $HARNESS_OK = 1 ] && [ $FM_OK = 1 ]; then
   exit 0
 fi
 exit 1

@@ -48,6 +48,7 @@ __all__ = [
     "DecodeCase",
     "build_case",
     "compare",
+    "flashmla_problems",
     "next_step",
     "reference",
 ]
@@ -128,6 +129,39 @@ class DecodeCase:
             extra_k_cache=self.extra_cache, extra_indices_in_kvcache=self.extra_indices,
             extra_topk_length=self.extra_lens,
         )
+
+
+def flashmla_problems(q: torch.Tensor, k_cache: torch.Tensor, indices: torch.Tensor,
+                      extra_k_cache: torch.Tensor | None = None,
+                      extra_indices: torch.Tensor | None = None) -> list[str]:
+    """What FlashMLA's sparse decode (vLLM 0.34's ``.so``, MODEL1 / 584 B) would refuse,
+    in its own words (the checks of ``sparse_decode_fwd`` and its SM90 kernel); empty
+    when the call is legal. The dry run's stand-in op raises on any of them."""
+    bad = []
+    if q.dim() != 4 or q.dtype != torch.bfloat16 or q.shape[-1] != D:
+        bad.append(f"q must have shape (b, s_q, h_q, d_qk) bf16, d_qk 512: {tuple(q.shape)}")
+    elif q.shape[2] not in (64, 128):
+        bad.append(f"Unsupported num_heads_q: {q.shape[2]}")
+    elif q.stride(0) % q.stride(1) != 0 or q.stride(-1) != 1:
+        bad.append("params.stride_q_b % params.stride_q_s_q == 0 (and a contiguous last dim)")
+    for cache, idx, name in ((k_cache, indices, "topk"),
+                             (extra_k_cache, extra_indices, "extra_topk")):
+        if cache is None or idx is None:
+            if (cache is None) != (idx is None):
+                bad.append("extra_indices_in_kvcache must be provided with extra_k_cache")
+            continue
+        if cache.dim() != 4 or cache.shape[2] != 1 or cache.shape[3] != 584:
+            bad.append(f"kv must have shape (num_blocks, page_block_size, 1, 584): "
+                       f"{tuple(cache.shape)}")
+        elif cache.shape[0] > 1 and cache.stride(0) % fp8_ds_mla.DATA_BYTES_PER_TOKEN:
+            bad.append(f"block_stride_bytes % TOKEN_STRIDE == 0: stride(0) {cache.stride(0)}")
+        if idx.dim() != 3 or idx.dtype != torch.int32 or idx.shape[:2] != q.shape[:2]:
+            bad.append(f"indices must have shape (b, s_q, {name}) int32: {tuple(idx.shape)}")
+        elif idx.shape[-1] % 64:
+            bad.append(f"{name} ({idx.shape[-1]}) mod B_TOPK (64) must be 0")
+        elif idx.stride(-1) != 1 or idx.stride(0) * 4 % 32:
+            bad.append("indices.stride(0) must be 32B aligned (and a contiguous last dim)")
+    return bad
 
 
 def _to(t: torch.Tensor | None, device: torch.device | str) -> torch.Tensor | None:

@@ -176,19 +176,10 @@ class CpuStandIn:
                           out=None, enable_batch_invariant=False):  # noqa: ANN001
         from vllm_dsv4_backend.ops.torch_sparse_mla import sparse_mla_decode
 
-        b, s_q, h_q, d_qk = q.shape
-        assert h_q in (64, 128), f"Unsupported num_heads_q: {h_q}"
-        assert d_qk == 512 and d_v == 512, "Only head_size_k == 576 or 512 ..."
-        assert kv.shape[2] == 1 and kv.shape[3] == 584, "Unsupported bytes_per_token"
-        for c, idx, name in ((kv, indices, "topk"), (extra_kv, extra_indices, "extra_topk")):
-            if c is None:
-                continue
-            assert idx.shape[-1] % 64 == 0, f"{name} ({idx.shape[-1]}) mod B_TOPK (64)"
-            assert c.stride(0) % 576 == 0 or c.shape[0] == 1, "block_stride_bytes % 576"
-            assert idx.stride(-1) == 1 and idx.stride(0) * 4 % 32 == 0, "indices.stride(0)"
-            assert idx.dtype == torch.int32, "indices must have dtype Int"
-        assert (extra_kv is None) == (extra_indices is None)
-        assert q.stride(0) % q.stride(1) == 0, "params.stride_q_b % params.stride_q_s_q"
+        bad = C.flashmla_problems(q, kv, indices, extra_kv, extra_indices)
+        if bad or d_v != 512:
+            raise RuntimeError("FlashMLA would refuse: " + "; ".join(bad or [f"d_v {d_v}"]))
+        b = q.shape[0]
         o, lse = sparse_mla_decode(q, kv, indices, topk_length, attn_sink, sm_scale,
                                    extra_kv, extra_indices, extra_topk_length, out=out)
         if sched is None:  # the planner's outputs: (num_sm_parts, 8) and (b + 1,)
