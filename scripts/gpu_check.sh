@@ -174,8 +174,11 @@ T0=$SECONDS
 TEST_STATUS="NOT RUN"; TEST_DETAIL="pytest unavailable (make a bundle: --make-bundle)"
 if "$PY" -c "import pytest" >/dev/null 2>&1; then
   echo "== pytest -q -x $TESTS (timeout ${TEST_TIMEOUT:-120} s)"
+  # The FlashMLA tests are the FlashMLA step's cases (run once, there, with the fuller
+  # report; under -x a numeric miss there would also stop the workspace tests).
   # shellcheck disable=SC2086
   timeout "${TEST_TIMEOUT:-120}" "$PY" -m pytest -q -x -p no:cacheprovider $TESTS \
+    --ignore tests/gpu/test_flashmla_sparse_decode.py \
     --junitxml "$OUT_DIR/pytest.xml" 2>&1 | tee "$OUT_DIR/pytest.log"
   rc=${PIPESTATUS[0]}
   TEST_DETAIL=$(grep -E "(passed|failed|skipped|error|no tests ran)" "$OUT_DIR/pytest.log" \

@@ -6,9 +6,10 @@
 FlashMLA comes from the carried bundle (``.scratch/gpu_bundle/flashmla``, or
 ``DSV4_FLASHMLA_BUNDLE``; made by ``bash scripts/gpu_check.sh --make-bundle``) on a box
 without vLLM, else from an installed CUDA vLLM. The cases, the CUDA-graph replay and the
-tolerance are tools/gpu_flashmla's (``check.py`` runs the same with a sanitizer pass
-and one JSON in ``scripts/gpu_check.sh``); if the ``.so`` does not load on this torch the
-tests skip with the loader's error, which ``check.py`` reports as a failure.
+tolerance are tools/gpu_flashmla's: ``scripts/gpu_check.sh`` runs them once, in its
+FlashMLA step (``check.py``, with a sanitizer pass and one JSON), and leaves this file out
+of its pytest step; this file is for a GPU machine with pytest. If the ``.so`` does not
+load on this torch the tests skip with the loader's error (``check.py`` fails on it).
 """
 
 from __future__ import annotations
