@@ -27,6 +27,8 @@ import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -539,3 +541,158 @@ def test_compressor_far_state_and_caches(far: Far, ratio: int, store: str) -> No
                 functools.partial(comp_ops.compress_norm_rope_store_indexer,
                                   indexer_kv_dtype=store))
     check_compressor_far(far, ratio, store, comp_ops.save_partial_states, store_fn, 2.0**-10)
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM's CPU op conventions (``torch.ops._C.*_cpu``): the plugin's fallbacks here, vLLM's
+# C++ kernels in tests/vllm/test_high_block_ids_vllm.py, through the same checks
+# --------------------------------------------------------------------------------------------
+def fallback_ops() -> SimpleNamespace:
+    """The plugin's torch fallbacks of vLLM's ops, called directly (what an AVX2 CPU runs
+    under the ``torch.ops._C`` names; no vLLM needed)."""
+    from vllm_dsv4_backend.vllm_compat import cpu_ops
+
+    return SimpleNamespace(**{op.name: op.impl for op in cpu_ops.OPS})
+
+
+def check_swa_insert_op(far: Far, ops_ns: Any) -> None:
+    """``fused_qnorm_rope_kv_insert_cpu`` (positions 0: identity RoPE) writes far SWA slots
+    (and a block-0 slot) with the oracle quantizer's bytes, except the e4m3 subnormals the
+    writer flushes to signed zero, and nothing else."""
+    bs = 64
+    cache, view2d, b0, _ = _mla_cache(far, bs, 2)
+    g = torch.Generator().manual_seed(5)
+    slots = torch.cat([torch.randperm(2 * bs, generator=g)[:6] + b0 * bs, torch.tensor([9])])
+    n = len(slots)
+    kv = (torch.randn(n, 512, generator=g) / 4).to(torch.bfloat16)
+    cos_sin = torch.cat([torch.ones(4, 32), torch.zeros(4, 32)], dim=1)
+    ops_ns.fused_qnorm_rope_kv_insert_cpu(
+        torch.zeros(n, 1, 512, dtype=torch.bfloat16), kv.contiguous(),
+        torch.zeros(n, dtype=torch.int64), view2d, slots, cos_sin, 1, 1e-6, bs)
+
+    nope, rope, scale, pad = read_token_bytes(cache, slots)
+    want_nope, want_scale, want_rope = quantize_ref(kv)
+    subnormal = ((want_nope & 0x78) == 0) & ((want_nope & 0x07) != 0)
+    assert torch.equal(nope[~subnormal], want_nope[~subnormal])
+    assert bool(((nope[subnormal] & 0x7F) == 0).all())
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(rope.view(torch.int16), want_rope.view(torch.int16))
+    assert bool((pad == 0).all())
+    _untouched(view2d, b0, _mla_spans(bs, slots))
+
+
+def check_sparse_mla_op(far: Far, ops_ns: Any, extra_block_size: int, tol: dict) -> None:
+    """``flash_mla_with_kvcache_cpu`` (2-D caches, int64 slot rows, lengths as -1) over
+    window and compressed slots past the boundary agrees with the float64 oracle."""
+    win, win2d, wb0, end = _mla_cache(far, 64, 2)
+    comp, comp2d, cb0, _ = _mla_cache(far, extra_block_size, 2, after=end)
+    g = torch.Generator().manual_seed(13 + extra_block_size)
+    win_pool = torch.cat([torch.arange(wb0 * 64, (wb0 + 2) * 64), torch.tensor([3, 60])])
+    comp_pool = torch.cat([torch.arange(cb0 * extra_block_size, (cb0 + 2) * extra_block_size),
+                           torch.tensor([1])])
+    for cache, pool in ((win, win_pool), (comp, comp_pool)):
+        kv = (torch.randn(len(pool), 512, generator=g) / 10).clamp(-1, 1).to(torch.bfloat16)
+        F.quantize_and_insert(kv, cache, pool)
+    t, h = 3, 64
+    lens = torch.tensor([128, 77, 100], dtype=torch.int32)
+    idx = _named_indices(g, t, 128, win_pool, lens)
+    extra = _named_indices(g, t, 128, comp_pool, None)
+    q = torch.randn(t, 1, h, 512, generator=g).clamp(-1, 1).to(torch.bfloat16)
+    sink = torch.randn(h, generator=g) + 4.0
+    scale = 512**-0.5
+    out = torch.empty(t, h, 512, dtype=torch.bfloat16)
+    ops_ns.flash_mla_with_kvcache_cpu(out, q[:, 0].contiguous(), win2d,
+                                      idx[:, 0].long().contiguous(), 64, comp2d,
+                                      extra[:, 0].long().contiguous(), extra_block_size, sink,
+                                      scale)
+    ref, _ = sparse_decode_ref(q, [(win, idx, lens), (comp, extra, None)], sink, scale)
+    assert_flashmla_close(out.unsqueeze(1), ref, name="out", **tol)
+
+
+def check_logits_topk_ops(far: Far, ops_ns: Any) -> None:
+    """``fp8_paged_mqa_logits_cpu`` over indexer pages past the boundary (a block-0 page
+    among them) matches the float64 oracle; ``topk_transform_512_cpu`` keeps the oracle's
+    top-512 and writes their far global page ids."""
+    n_pages, bs = 10, IND_BS
+    cache, view2d, b0 = _ind_cache(far, "fp8", n_pages - 1)
+    g = torch.Generator().manual_seed(23)
+    blocks = torch.tensor([b0 + i for i in range(n_pages - 1)] + [0])
+    all_slots = blocks.repeat_interleave(bs) * bs + torch.arange(bs).repeat(n_pages)
+    ic.quantize_and_insert(torch.randn(len(all_slots), 128, generator=g).to(torch.bfloat16),
+                           cache, all_slots, "fp8")
+    t, h = 4, 64
+    n_entries = n_pages * bs
+    # Each token its own page order (block 0 among them), as vLLM's per-token page table.
+    pages = torch.stack([blocks[torch.randperm(n_pages, generator=g)] for _ in range(t)])
+    pages = pages.to(torch.int32)
+    lens = torch.tensor([n_entries, 600, 513, 300], dtype=torch.int32)
+    q = torch.randn(t, h, 128, generator=g).to(torch.float8_e4m3fn)
+    w = torch.rand(t, h, generator=g)
+    logits = ops_ns.fp8_paged_mqa_logits_cpu(q, view2d, w, lens, pages, bs, n_entries)
+
+    slots = pages.long().repeat_interleave(bs, dim=1) * bs + torch.arange(bs).repeat(n_pages)
+    uniq, inv = torch.unique(slots, return_inverse=True)
+    keys = _ind_decode_f64(view2d, "fp8", uniq.tolist())[inv]
+    ref = _logits_ref(E4M3[q.view(torch.uint8).long()], w, keys, lens.long())
+    valid = torch.isfinite(ref)
+    scale = float(ref[valid].abs().max())
+    torch.testing.assert_close(logits[valid].double(), ref[valid], rtol=1e-4,
+                               atol=1e-5 * scale)
+
+    out_pages = torch.empty(t, 512, dtype=torch.int32)
+    out_raw = torch.empty(t, 512, dtype=torch.int32)
+    ops_ns.topk_transform_512_cpu(logits, lens, pages, out_pages, bs, out_raw)
+    for r in range(t):
+        n = int(lens[r])
+        band = 2 * (1e-4 * float(ref[r, :n].abs().max()) + 1e-5 * scale)
+        check_topk_set(out_raw[r], ref[r, :n], 512, band)
+        got = out_raw[r][out_raw[r] >= 0].long()
+        assert torch.equal(out_pages[r][out_raw[r] >= 0].long(), slots[r, got])
+
+
+def check_topk_page_ids_wrap(ops_ns: Any) -> None:
+    """Records the int32 limit of ``topk_transform_512_cpu``'s page-id output: a global id
+    ``page * 64 + offset >= 2**31`` comes out wrapped (two's complement), the raw local ids
+    stay right. Whoever changes that (refusing, widening) makes this fail and should update
+    tests/vllm/test_high_block_ids_vllm.py's docstring."""
+    bs, t, width = 64, 1, 700
+    g = torch.Generator().manual_seed(2)
+    scores = torch.randn(t, width, generator=g)
+    lens = torch.tensor([width], dtype=torch.int32)
+    first = 2**31 // bs - 3  # pages 3.. of the table hold ids >= 2**31
+    pages = (first + torch.arange(11, dtype=torch.int64)).view(1, -1).to(torch.int32)
+    out_pages = torch.empty(t, 512, dtype=torch.int32)
+    out_raw = torch.empty(t, 512, dtype=torch.int32)
+    ops_ns.topk_transform_512_cpu(scores, lens, pages, out_pages, bs, out_raw)
+    raw = out_raw[0].long()
+    assert set(raw.tolist()) == set(torch.topk(scores[0], 512).indices.tolist())
+    true_ids = pages[0].long()[raw // bs] * bs + raw % bs
+    past = true_ids >= 2**31
+    assert bool(past.any()) and bool((~past).any())
+    assert torch.equal(out_pages[0].long()[~past], true_ids[~past])
+    wrapped = true_ids[past] - 2**32
+    assert torch.equal(out_pages[0].long()[past], wrapped), "the page ids no longer wrap"
+
+
+def test_fallback_swa_insert_far_slots(far: Far) -> None:
+    """The plugin's fallback of ``fused_qnorm_rope_kv_insert_cpu`` (:func:`check_swa_insert_op`)."""
+    check_swa_insert_op(far, fallback_ops())
+
+
+@pytest.mark.parametrize("extra_block_size", [64, 2], ids=["c4", "c128"])
+def test_fallback_sparse_mla_far_slots(far: Far, extra_block_size: int) -> None:
+    """The plugin's fallback of ``flash_mla_with_kvcache_cpu`` (:func:`check_sparse_mla_op`)."""
+    check_sparse_mla_op(far, fallback_ops(), extra_block_size, DECODE_OUT_TOL)
+
+
+def test_fallback_logits_and_topk_far_pages(far: Far) -> None:
+    """The plugin's fallbacks of ``fp8_paged_mqa_logits_cpu`` and ``topk_transform_512_cpu``
+    (:func:`check_logits_topk_ops`)."""
+    check_logits_topk_ops(far, fallback_ops())
+
+
+def test_fallback_topk_page_ids_wrap_past_int32() -> None:
+    """The plugin's fallback of ``topk_transform_512_cpu`` keeps the C++ op's int32 page-id
+    output, wrap included (:func:`check_topk_page_ids_wrap`); the served CPU layer never
+    reads those ids (a scratch lease), and the plugin's own slot tables refuse such ids."""
+    check_topk_page_ids_wrap(fallback_ops())
