@@ -129,39 +129,64 @@ def _missing_symbols(symbols: list[str]) -> dict[str, Any]:
     return {"checked": len(symbols), "missing": missing, "libs": len(handles)}
 
 
+def _has_op(name: str) -> bool:
+    try:
+        return hasattr(torch.ops._flashmla_C, name)
+    except Exception:  # noqa: BLE001 - an unknown namespace is just "no"
+        return False
+
+
+def _import_over(fake_ext: types.ModuleType) -> Any:
+    """Import the bundle's interface with ``fake_ext`` standing in for the extension
+    module (its ``from . import _flashmla_C`` then finds it in ``sys.modules``)."""
+    import importlib
+
+    pkg = importlib.import_module(bundle_mod.PACKAGE)
+    sys.modules[fake_ext.__name__] = fake_ext
+    pkg._flashmla_C = fake_ext  # type: ignore[attr-defined]
+    return importlib.import_module(bundle_mod.PACKAGE + ".flash_mla_interface")
+
+
 def step_load(bundle_dir: str, dry: bool) -> tuple[dict[str, Any], Any]:
-    """Import the bundle's interface (loading the .so); in the dry run, after reporting
-    the real load, import it again over a CPU stand-in op. Returns (report, module)."""
+    """Import the bundle's interface, which loads the .so as vLLM does (an extension-module
+    import); if that fails, try ``torch.ops.load_library`` (a plain dlopen, no module
+    init) and report both. In the dry run, after reporting the real load, import the
+    interface over a CPU stand-in op. Returns (report, module or None)."""
+    import importlib
+
     verify = bundle_mod.verify_bundle(bundle_dir)
     res: dict[str, Any] = {"status": "OK", "torch": torch.__version__}
     syms = (verify.get("elf") or {}).get("torch_stable_abi_symbols") or []
     res["stable_abi"] = _missing_symbols(syms)
     if bundle_dir not in sys.path:
         sys.path.insert(0, bundle_dir)
-    name = bundle_mod.PACKAGE + ".flash_mla_interface"
+    fake_name = bundle_mod.PACKAGE + "._flashmla_C"
     try:
-        import importlib
-
-        iface = importlib.import_module(name)
-        res.update(loaded=True, ops=[n for n in ("sparse_decode_fwd", "sparse_prefill_fwd")
-                                     if hasattr(torch.ops._flashmla_C, n)])
-        res["kernel"] = "flashmla"
-        return res, iface
+        iface = importlib.import_module(bundle_mod.PACKAGE + ".flash_mla_interface")
+        res.update(loaded=True, method="extension import (as vLLM)", kernel="flashmla")
     except Exception as e:  # noqa: BLE001 - the report says why it did not load
         res.update(loaded=False, error=f"{type(e).__name__}: {e}",
                    traceback=traceback.format_exc(limit=6))
+        iface = None
+        so = Path(bundle_dir) / bundle_mod.PACKAGE / bundle_mod.SO_NAME
+        try:
+            torch.ops.load_library(str(so))
+            if not _has_op("sparse_decode_fwd"):
+                raise RuntimeError("loaded, but torch.ops._flashmla_C.sparse_decode_fwd "
+                                   "is not registered")
+            iface = _import_over(types.ModuleType(fake_name))
+            res.update(loaded=True, method="torch.ops.load_library", kernel="flashmla")
+        except Exception as e2:  # noqa: BLE001
+            res["load_library_error"] = f"{type(e2).__name__}: {e2}"
+    if iface is not None:
+        res["ops"] = [n for n in ("sparse_decode_fwd", "sparse_prefill_fwd") if _has_op(n)]
+        return res, iface
     if not dry:
         res["status"] = "FAIL"
         return res, None
     # Dry run: the interface is importable up to the .so; exercise the rest with a
     # stand-in module in the .so's place and a CPU op behind the interface's call.
-    import importlib
-
-    pkg = importlib.import_module(bundle_mod.PACKAGE)
-    fake = types.ModuleType(bundle_mod.PACKAGE + "._flashmla_C")
-    sys.modules[fake.__name__] = fake
-    pkg._flashmla_C = fake  # type: ignore[attr-defined]
-    iface = importlib.import_module(name)
+    iface = _import_over(types.ModuleType(fake_name))
     iface.flash_mla_cuda = CpuStandIn()
     res["kernel"] = "cpu-standin (dry run)"
     return res, iface
@@ -415,6 +440,7 @@ def child_main(args: argparse.Namespace, rep: Report, iface: Any, specs: list[C.
             try:
                 _stream_run(iface, C.build_case(stream_spec), fence_fork=False)
             except csan.CUDASanitizerErrors as e:
+                torch.cuda.synchronize()  # the unfenced launch may still run: quiesce
                 return {"status": "DETECTED", "races": len(e.errors),
                         "first": str(e.errors[0])[:2000]}
             return {"status": "MISSED"}
