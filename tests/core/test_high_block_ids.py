@@ -182,10 +182,17 @@ def _named_indices(g: torch.Generator, b: int, topk: int, pool: torch.Tensor,
 
 @pytest.mark.parametrize("extra_block_size", [64, 2], ids=["c4", "c128"])
 @pytest.mark.parametrize("shape", ["decode", "prefill_dedup"])
-def test_sparse_mla_decode_far_blocks(far: Far, extra_block_size: int, shape: str) -> None:
+def test_sparse_mla_decode_far_blocks(far: Far, extra_block_size: int, shape: str,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Sparse MLA over a window cache and a compressed cache whose named slots sit past the
     boundary (plus block-0 slots) agrees with the float64 oracle, which decodes the same
-    bytes by hand. ``prefill_dedup``: enough rows to take the deduplicated path."""
+    bytes by hand. ``prefill_dedup``: rows sharing their slots, through the deduplicated
+    path (its threshold lowered so the oracle's float64 K stays small)."""
+    tsm = ops.torch_sparse_mla
+    taken: list[bool] = []
+    dedup = tsm._decode_deduplicated
+    monkeypatch.setattr(tsm, "_decode_deduplicated",
+                        lambda *a, **k: taken.append(dedup(*a, **k)) or taken[-1])
     win, win2d, wb0, end = _mla_cache(far, 64, 2)
     comp, comp2d, cb0, _ = _mla_cache(far, extra_block_size, 2, after=end)
     g = torch.Generator().manual_seed(7 + extra_block_size)
@@ -198,8 +205,8 @@ def test_sparse_mla_decode_far_blocks(far: Far, extra_block_size: int, shape: st
     if shape == "decode":
         b, h, n1, n2 = 3, 64, 128, 128
     else:
-        b, h, n1, n2 = 128, 8, 384, 128
-        assert b * (n1 + n2) >= ops.torch_sparse_mla.DEDUP_MIN_ENTRIES
+        b, h, n1, n2 = 16, 8, 384, 128
+        monkeypatch.setattr(tsm, "DEDUP_MIN_ENTRIES", b * (n1 + n2))
     lens = torch.randint(n1 // 2, n1 + 1, (b,), generator=g, dtype=torch.int32)
     idx = _named_indices(g, b, n1, win_pool, lens)
     extra = _named_indices(g, b, n2, comp_pool, None)
@@ -207,6 +214,7 @@ def test_sparse_mla_decode_far_blocks(far: Far, extra_block_size: int, shape: st
     sink = torch.randn(h, generator=g) + 4.0
     scale = 512**-0.5
     out, lse = ops.sparse_mla_decode(q, win, idx, lens, sink, scale, comp, extra, None)
+    assert taken == ([] if shape == "decode" else [True])
     ref_out, ref_lse = sparse_decode_ref(q, [(win, idx, lens), (comp, extra, None)], sink, scale)
     assert_flashmla_close(out, ref_out, name="out", **DECODE_OUT_TOL)
     assert_flashmla_close(lse, ref_lse, name="lse", **DECODE_LSE_TOL)
