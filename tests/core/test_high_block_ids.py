@@ -15,10 +15,16 @@ with the oracle.
 Memory: the caches are views of one ``2**31 + 8 MiB`` uint8 buffer from ``torch.empty``, which
 the OS maps lazily, so only the few blocks a test poisons and writes become resident (a few
 MiB); it is allocated once per module and freed after it. Bytes no entry owns are 0xFF (NaN in
-e4m3, bf16 and fp32, the MXFP4 NaN scale), in the far blocks and in block 0, where an offset
-taken modulo ``2**31`` would land.
+e4m3, bf16 and fp32, the MXFP4 NaN scale), in the far blocks and in block 0, near which an
+offset taken modulo ``2**31`` would land (an int32 one turns negative: torch raises, or a
+negative block index silently picks a block from the end; both fail here).
 
-tests/vllm/test_high_block_ids_vllm.py runs vLLM's C++ CPU ops on the same geometry.
+vLLM's CPU op conventions (``torch.ops._C.*_cpu``) get the same checks through the
+``check_*_op(s)`` helpers and :func:`check_compressor_far`: here on the plugin's torch
+fallbacks of those ops (what an AVX2 CPU runs), in tests/vllm/test_high_block_ids_vllm.py on
+vLLM's C++ kernels. Slot ids (``block * block_size + offset``) past int32 are a separate,
+far higher limit: the plugin's int32 slot tables refuse them
+(:func:`test_global_slot_ids_past_int32_are_refused`).
 """
 
 from __future__ import annotations
