@@ -123,11 +123,12 @@ def test_check_dry_run_with_vllm_blocked(bundle_dir: Path, tmp_path: Path) -> No
     env = dict(os.environ, PYTHONPATH=f"{block.parent}{os.pathsep}{REPO}", OMP_NUM_THREADS="1",
                PYTHONDONTWRITEBYTECODE="1")
     env.pop("TORCH_CUDA_SANITIZER", None)
-    # Two cases cover padding rows, -1 holes, +-inf sinks, C4A and C128A extra caches.
+    # One case (padded rows, -1 holes, +-inf sinks, the C4A extra cache) keeps it fast;
+    # every case's inputs pass FlashMLA's checks in test_every_case_is_flashmla_legal.
     p = subprocess.run(
         [sys.executable, str(REPO / "tools/gpu_flashmla/check.py"), "--dry-run",
          "--bundle", str(bundle_dir), "--out", str(out),
-         "--cases", "c4a_h64_inf_sink,c128a_h64"],
+         "--cases", "c4a_h64_inf_sink"],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     tail = (p.stdout + p.stderr)[-3000:]
     assert p.returncode == 0, tail
@@ -143,7 +144,7 @@ def test_check_dry_run_with_vllm_blocked(bundle_dir: Path, tmp_path: Path) -> No
     assert load["stable_abi"]["checked"] > 40
     assert load["kernel"].startswith("cpu-standin")
     cases = steps["cases"]["cases"]
-    assert set(cases) == {"c4a_h64_inf_sink", "c128a_h64"}
+    assert set(cases) == {"c4a_h64_inf_sink"}
     for name, res in cases.items():
         for call in res["calls"]:
             assert call["ok"] and call["out_is_buffer"] and call["sentinel_kept"], name
