@@ -154,7 +154,12 @@ _SWA_BUILDER_CLS: type | None = None
 
 def get_swa_builder_cls() -> type:
     """The sliding-window cache's builder: vLLM's for this platform; on CPU without the
-    window index tables no CPU layer reads (built once, on first use)."""
+    window index tables no CPU layer reads (built once, on first use).
+
+    The registry entry ``swa_unread_kernels``: if building the CPU one fails (a vLLM
+    whose ``sparse_swa`` moved), vLLM's own CPU builder serves, after one ERROR line
+    naming the entry (a startup error under ``VLLM_DSV4_ATTN_IMPL=plugin``).
+    """
     global _SWA_BUILDER_CLS
     if _SWA_BUILDER_CLS is not None:
         return _SWA_BUILDER_CLS
@@ -162,18 +167,37 @@ def get_swa_builder_cls() -> type:
         _SWA_BUILDER_CLS = DeepseekSparseSWABackend.get_builder_cls()
         return _SWA_BUILDER_CLS
     from vllm.models.deepseek_v4.cpu.cpu_mla import DeepseekV4CPUSparseSWAMetadataBuilder
+
+    from vllm_dsv4_backend import envs
+    from vllm_dsv4_backend.vllm_compat import hooks
+
+    try:
+        _SWA_BUILDER_CLS = _cpu_swa_builder_cls(DeepseekV4CPUSparseSWAMetadataBuilder)
+    except Exception as e:  # noqa: BLE001 - vLLM's builder computes the same fields and more
+        strict = envs.VLLM_DSV4_ATTN_IMPL == "plugin"
+        err = hooks.patch_failed("swa_unread_kernels", "vllm.v1.attention.backends.mla."
+                                 "sparse_swa", e, strict=strict,
+                                 kept="vLLM's CPU SWA metadata builder used")
+        if strict:
+            raise err from e
+        _SWA_BUILDER_CLS = DeepseekV4CPUSparseSWAMetadataBuilder
+    return _SWA_BUILDER_CLS
+
+
+def _cpu_swa_builder_cls(vllm_builder: type) -> type:
+    """vLLM's CPU SWA builder ``vllm_builder`` minus the kernels no CPU layer reads."""
     from vllm.v1.attention.backends.mla import sparse_swa
+
+    from vllm_dsv4_backend.vllm_compat import hooks
 
     missing = [k for k in _UNREAD_ON_CPU_KERNELS if not hasattr(sparse_swa, k)]
     missing += [f for f in _UNREAD_ON_CPU_FIELDS
                 if f not in DeepseekSparseSWAMetadata.__dataclass_fields__]
     if missing:
-        raise RuntimeError(
-            f"vllm_dsv4_backend: vLLM's sparse_swa no longer has {missing}; the plugin's "
-            "CPU SWA builder was written against vLLM 0.32's (update backend.py)"
-        )
+        raise hooks.fail("vllm.v1.attention.backends.mla.sparse_swa",
+                         f"no longer has {missing}, which the plugin's CPU SWA builder skips")
 
-    class DSV4CPUSWAMetadataBuilder(DeepseekV4CPUSparseSWAMetadataBuilder):
+    class DSV4CPUSWAMetadataBuilder(vllm_builder):  # type: ignore[valid-type,misc]
         """vLLM's CPU SWA builder minus two of its kernels: the decode / prefill
         window index tables and the prefill gather lengths, which only the GPU layers
         read (the CPU layers build their window tables from the positions). Their
@@ -200,8 +224,7 @@ def get_swa_builder_cls() -> type:
                 setattr(md, f, None)
             return md
 
-    _SWA_BUILDER_CLS = DSV4CPUSWAMetadataBuilder
-    return _SWA_BUILDER_CLS
+    return DSV4CPUSWAMetadataBuilder
 
 
 class DSV4SWABackend(DeepseekSparseSWABackend):

@@ -151,8 +151,20 @@ def install_hook(arg_utils: ModuleType, on_applied: Callable[[str], None]) -> bo
     @functools.wraps(create)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         config = create(self, *args, **kwargs)
-        check_architecture(config)
-        check_settings(self, config)
+        try:
+            check_architecture(config)
+            check_settings(self, config)
+        except ValueError:
+            raise  # the refusals themselves
+        except Exception as e:  # noqa: BLE001 - runs for every model: a moved vLLM field
+            # must not stop vLLM from serving the others.
+            from vllm_dsv4_backend import envs
+
+            strict = envs.VLLM_DSV4_ATTN_IMPL == "plugin"
+            err = hooks.patch_failed("architecture_check", symbol, e, strict=strict,
+                                     kept="vLLM's engine config used unchecked")
+            if strict:
+                raise err from e
         return config
 
     hooks.replace_attr(arg_utils, symbol, create_engine_config,

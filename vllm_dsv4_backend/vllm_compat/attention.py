@@ -194,8 +194,11 @@ def install_attention_layer(
 
     Raises:
         ValueError: unknown ``platform``.
-        PatchError: (when the model module is imported) the hook point is
-            missing or ``cls`` is not a ``DeepseekV4Attention`` subclass.
+        PatchError: (when the model module is imported, unless ``optional``)
+            the hook point is missing, ``cls`` is not a ``DeepseekV4Attention``
+            subclass, or resolving it raised anything else (the cause chained);
+            with ``optional`` each of these is one ERROR line naming the patch
+            ``attention_layer``, and vLLM's own layer stays.
     """
     if platform not in ("cpu", "cuda"):
         raise ValueError(f"platform: expected 'cpu' or 'cuda', got {platform!r}")
@@ -218,7 +221,7 @@ def install_attention_layer(
         if not isinstance(current, type):
             raise hooks.fail(f"{CPU_MODULE}.{CPU_SYMBOL}", f"is {current!r}, not a class")
         if layer is not None and current is not layer:
-            setattr(owner, attr, layer)
+            hooks.set_attr(owner, attr, layer)
 
     def place_cuda(module: ModuleType, layer: type | None) -> None:
         current = check_cuda_hook_points(module)
@@ -230,7 +233,7 @@ def install_attention_layer(
                 f"is {current.__module__}.{current.__qualname__}, which "
                 f"{layer.__qualname__} does not subclass",
             )
-        setattr(module, CUDA_SYMBOL, layer)
+        hooks.set_attr(module, CUDA_SYMBOL, layer)
 
     target, place = (
         (f"{CPU_MODULE}.{CPU_SYMBOL}", place_cpu) if platform == "cpu"
@@ -239,25 +242,30 @@ def install_attention_layer(
 
     def install(module: ModuleType) -> None:
         # Fail closed: a hook point or copied body that differs from the vLLM the
-        # plugin was read from (a patch release) keeps vLLM's own layer with one
-        # ERROR line, or raises under VLLM_DSV4_ATTN_IMPL=plugin (not optional).
+        # plugin was read from (a patch release), or anything else the layer's
+        # resolution raises, keeps vLLM's own layer with one ERROR line, or
+        # raises under VLLM_DSV4_ATTN_IMPL=plugin (not optional).
+        record: hooks.Record = []
         try:
-            place(module, None)
-            resolved = resolve()
-            if resolved is None:
-                return
-            layer = _check_layer_cls(resolved)
-            place(module, layer)
-        except hooks.PatchError as e:
-            if not optional:
-                raise
-            logger.error("keeping vLLM's own DeepSeek-V4 attention layer on %s: %s",
-                         platform.upper(), e)
+            with hooks.recording(record):
+                place(module, None)
+                resolved = resolve()
+                if resolved is None:
+                    return
+                layer = _check_layer_cls(resolved)
+                place(module, layer)
+                _register_backend_of(layer)
+        except Exception as e:  # noqa: BLE001 - whatever the layer raises, vLLM keeps serving
+            hooks.undo(record)
+            err = hooks.patch_failed(
+                "attention_layer", module.__name__, e, strict=not optional,
+                kept=f"keeping vLLM's own DeepSeek-V4 attention layer on {platform.upper()}")
             if on_applied:
-                on_applied(f"attention:vllm (plugin layer not installed: {e})")
+                on_applied(f"attention:vllm (plugin layer not installed: {err})")
+            if not optional:
+                raise err from e
             return
         _installed["cls"] = layer
-        _register_backend_of(layer)
         if on_applied:
             on_applied(f"attention:{target}={layer.__qualname__}")
 

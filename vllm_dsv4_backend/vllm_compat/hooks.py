@@ -7,13 +7,19 @@ and must stay cheap, but the modules it patches (DeepSeek-V4 metadata
 builders, ~4 s of imports) are only needed where the model runs. So a patch is
 *armed* with :func:`when_imported`: it runs right after vLLM itself imports
 the target module (or immediately if it already has), in whichever process
-does so. A failing patch raises :class:`PatchError` from inside that import,
-so the engine stops with our message instead of a Triton error later.
+does so.
+
+A patch that fails, whatever it raises, must not break vLLM: :func:`set_attr`
+records every attribute a patch sets while a :func:`recording` is open, so
+:func:`undo` puts vLLM's own objects back, and :func:`patch_failed` turns the
+failure into one ERROR line naming the patch, or, when the plugin was asked
+for explicitly (``VLLM_DSV4_ATTN_IMPL=plugin``), into a :class:`PatchError`
+raised from inside that import, so startup stops with the patch's name.
 
 The patches themselves are listed, with why and when to remove them, in
 :mod:`.patches`; this module is the mechanism they share: one idempotency
-marker (:func:`mark_port` / :func:`is_port`), the signature checks and
-:class:`PatchError`.
+marker (:func:`mark_port` / :func:`is_port`), the signature checks, the undo
+record and :class:`PatchError`.
 """
 
 from __future__ import annotations
@@ -24,9 +30,11 @@ import importlib.machinery
 import inspect
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from types import ModuleType
 from typing import Any
+
+from vllm_dsv4_backend._logging import init_logger
 
 __all__ = [
     "PatchError",
@@ -34,10 +42,16 @@ __all__ = [
     "check_signature",
     "is_port",
     "mark_port",
+    "patch_failed",
+    "recording",
     "replace_attr",
     "resolve",
+    "set_attr",
+    "undo",
     "when_imported",
 ]
+
+logger = init_logger(__name__)
 
 _PORT_FLAG = "__vllm_dsv4_port__"
 
@@ -139,8 +153,89 @@ def replace_attr(
     if not hasattr(replacement, "__vllm_dsv4_original__"):
         with contextlib.suppress(AttributeError):  # builtins cannot carry it
             replacement.__vllm_dsv4_original__ = current
-    setattr(owner, attr, mark_port(replacement))
+    set_attr(owner, attr, mark_port(replacement))
     return True
+
+
+# ----------------------------------------------------------------------------
+# undo: a patch that fails leaves vLLM's own objects in place
+# ----------------------------------------------------------------------------
+Record = list[tuple[Any, str, bool, Any]]
+"""``(owner, attr, had_own_value, own_value)`` per :func:`set_attr`, in order."""
+
+_record = threading.local()
+_logged_failures: set[str] = set()
+
+
+def set_attr(owner: Any, attr: str, value: Any) -> None:
+    """``setattr(owner, attr, value)``, kept in the open :func:`recording` (if any).
+
+    Every attribute a patch sets on vLLM goes through here, so that when the
+    patch fails later (in the same install or in another of its modules)
+    :func:`undo` restores exactly what vLLM had.
+    """
+    record: Record | None = getattr(_record, "entries", None)
+    if record is not None:
+        # The owner's own dict, not getattr: a class attribute may be a
+        # descriptor (staticmethod) or inherited (then undo deletes ours).
+        own = getattr(owner, "__dict__", {})
+        record.append((owner, attr, attr in own, own.get(attr)))
+    setattr(owner, attr, value)
+
+
+@contextlib.contextmanager
+def recording(record: Record) -> Iterator[Record]:
+    """Append every :func:`set_attr` made inside the block (this thread) to ``record``.
+
+    A patch whose install imports a module that triggers another patch keeps
+    its own record: the inner one opens its own.
+    """
+    outer = getattr(_record, "entries", None)
+    _record.entries = record
+    try:
+        yield record
+    finally:
+        _record.entries = outer
+
+
+def undo(record: Record) -> None:
+    """Restore, newest first, every attribute in ``record``; empties it."""
+    for owner, attr, had, value in reversed(record):
+        if had:
+            setattr(owner, attr, value)
+        else:
+            with contextlib.suppress(AttributeError):
+                delattr(owner, attr)
+    record.clear()
+
+
+def patch_failed(name: str, where: str, error: BaseException, *, strict: bool,
+                 kept: str = "vLLM's own code kept") -> PatchError:
+    """The one outcome of patch ``name`` failing in ``where`` with ``error``.
+
+    ``strict`` (``VLLM_DSV4_ATTN_IMPL=plugin``): returns the :class:`PatchError`
+    to raise (``from error``), naming the patch and the cause. Otherwise logs one
+    ERROR line naming the patch, ``kept`` (what vLLM keeps) and the cause, the
+    traceback at DEBUG, and returns the error for the caller's report.
+    """
+    cause = str(error) if isinstance(error, PatchError) else f"{type(error).__name__}: {error}"
+    if strict:
+        from vllm_dsv4_backend import envs
+
+        hint = ("" if envs.VLLM_DSV4_ATTN_IMPL != "plugin" else
+                ". VLLM_DSV4_ATTN_IMPL=plugin makes this a startup error; unset it (or set "
+                "VLLM_DSV4_ATTN_IMPL=vllm) to serve with vLLM's own code")
+        return PatchError(f"vllm_dsv4_backend patch {name} failed in {where} on vLLM "
+                          f"{_vllm_version()}: {cause}{hint}")
+    # One ERROR line per patch and process: a check that fails at every engine
+    # build repeats at DEBUG only.
+    with _lock:
+        first = name not in _logged_failures
+        _logged_failures.add(name)
+    log = logger.error if first else logger.debug
+    log("vllm_dsv4_backend: patch %s not applied in %s, %s: %s", name, where, kept, cause)
+    logger.debug("vllm_dsv4_backend: patch %s failure", name, exc_info=error)
+    return PatchError(f"patch {name} not applied in {where}: {cause}")
 
 
 # ----------------------------------------------------------------------------

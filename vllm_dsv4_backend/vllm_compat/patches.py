@@ -15,6 +15,13 @@ replaces and when it can be removed, and goes through one mechanism:
   (:func:`hooks.check_signature` / :func:`hooks.check_accepts_keyword`, or a
   probe) and raises :class:`~vllm_dsv4_backend.vllm_compat.hooks.PatchError`
   naming the vLLM version and symbol when vLLM changed it;
+* **never breaks vLLM**: whatever an install raises (a ``PatchError``, or an
+  ``AttributeError`` / ``TypeError`` from a vLLM that moved something), every
+  attribute the patch set, in any of its modules, is put back
+  (:func:`hooks.set_attr` / :func:`hooks.undo`), its other modules are left
+  alone, and one ERROR line names the patch; vLLM's own code serves. Only
+  ``strict`` (``VLLM_DSV4_ATTN_IMPL=plugin``) raises, a ``PatchError`` naming
+  the patch, out of the import of the patched module (a startup error);
 * **idempotent**: the replacement carries the one marker
   :func:`hooks.mark_port`; an install that finds it does nothing;
 * **observable**: each replacement is reported (``on_applied``; the plugin's
@@ -38,7 +45,7 @@ from vllm_dsv4_backend import attention_config, guards
 from vllm_dsv4_backend._logging import init_logger
 from vllm_dsv4_backend.vllm_compat import attention, hooks, kernels, loader, pipeline
 
-__all__ = ["PATCHES", "Patch", "applied", "apply", "arm", "describe"]
+__all__ = ["PATCHES", "Patch", "applied", "apply", "arm", "describe", "failed"]
 
 logger = init_logger(__name__)
 
@@ -76,6 +83,10 @@ class Patch:
 
 _lock = threading.RLock()
 _applied: list[str] = []
+# Per entry, every attribute it set so far (all its modules), to undo them all
+# when one install fails; and the entries that failed (never retried).
+_records: dict[str, hooks.Record] = {}
+_failed: dict[str, str] = {}
 _report: Report | None = None  # the reporter of the last arm() (the plugin's marker)
 
 
@@ -103,9 +114,9 @@ def _mxfp4_indexer_cache(dsv4_attention: ModuleType, on_applied: Report) -> bool
 
     dsa_indexer_uses_fp4.__vllm_dsv4_original__ = original  # type: ignore[attr-defined]
     port = hooks.mark_port(dsa_indexer_uses_fp4)
-    mla_indexer.dsa_indexer_uses_fp4 = port
+    hooks.set_attr(mla_indexer, "dsa_indexer_uses_fp4", port)
     # The DeepSeek-V4 attention module imported the function by name.
-    dsv4_attention.dsa_indexer_uses_fp4 = port
+    hooks.set_attr(dsv4_attention, "dsa_indexer_uses_fp4", port)
     on_applied("mxfp4:vllm.v1.attention.backends.mla.indexer.dsa_indexer_uses_fp4")
     return True
 
@@ -136,7 +147,7 @@ def _moe_expert_map(cpu_moe: ModuleType, on_applied: Report) -> bool:
          "global_num_experts", "expert_map", "a1q_scale", "a2_scale", "workspace13",
          "workspace2", "expert_tokens_meta", "apply_router_weight_on_input"),
     )
-    setattr(owner, attr, hooks.mark_port(moe_ep.wrap_apply(current)))
+    hooks.set_attr(owner, attr, hooks.mark_port(moe_ep.wrap_apply(current)))
     on_applied(f"moe:{MOE_EP_MODULE}.CPUUnquantizedExperts.apply honours expert_map")
     return True
 
@@ -413,16 +424,29 @@ def _get(name: str) -> Patch:
 
 def _install(patch: Patch, module: ModuleType, on_applied: Report, strict: bool = True) -> bool:
     assert patch.install is not None
+    with _lock:
+        if patch.name in _failed:
+            # A half-applied patch is worse than none: its other modules keep vLLM's code.
+            if strict:
+                raise hooks.PatchError(f"vllm_dsv4_backend patch {patch.name} failed earlier "
+                                       f"in this process ({_failed[patch.name]})")
+            return False
+        record = _records.setdefault(patch.name, [])
     try:
-        changed = patch.install(module, on_applied)
-    except hooks.PatchError as e:
-        if strict:
-            raise
+        with hooks.recording(record):
+            changed = patch.install(module, on_applied)
+    except Exception as e:  # noqa: BLE001 - whatever a patch raises, vLLM must keep working
         # A hook point that differs from the vLLM the patch was read from (a
-        # patch release): vLLM's own code stays, vLLM keeps working.
-        logger.error("vllm_dsv4_backend: patch %s not applied, vLLM's own code kept: %s",
-                     patch.name, e)
-        on_applied(f"{patch.name}: not applied ({e})")
+        # patch release), or a bug: vLLM's own objects go back in every module.
+        with _lock:
+            hooks.undo(record)
+            _failed[patch.name] = f"{type(e).__name__}: {e}"
+            if patch.name in _applied:
+                _applied.remove(patch.name)
+        err = hooks.patch_failed(patch.name, module.__name__, e, strict=strict)
+        on_applied(f"{patch.name}: not applied, vLLM's code kept ({err})")
+        if strict:
+            raise err from e
         return False
     if changed:
         with _lock:
@@ -517,6 +541,12 @@ def applied() -> list[str]:
     """Names of the entries this process applied (changed vLLM), in order."""
     with _lock:
         return list(_applied)
+
+
+def failed() -> dict[str, str]:
+    """The entries whose install failed in this process (undone): name -> cause."""
+    with _lock:
+        return dict(_failed)
 
 
 def describe() -> str:

@@ -1,0 +1,395 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Whatever a patch of the registry raises, vLLM keeps working (the real vLLM 0.32 CPU build).
+
+Every entry of ``vllm_compat.patches.PATCHES`` gets a failure that is not a
+``PatchError`` (``AttributeError``, ``TypeError``, ``RuntimeError``, ``KeyError``,
+cycled over the entries), then vLLM's patched modules are imported the way vLLM
+imports them (the plugin loaded through vLLM's own loader first, so each patch runs
+from inside that import):
+
+* ``after``: the entry's real install runs and changes vLLM, then the failure is
+  raised: every attribute it changed, in every module, must hold vLLM's object again;
+* ``before``: the failure comes before any change.
+
+Each entry must leave exactly one ERROR line naming it, every import must succeed,
+no port of the plugin may be left in vLLM, and a DeepSeek-V4 model gets vLLM's own
+layer. Under ``VLLM_DSV4_ATTN_IMPL=plugin`` (the explicit request) the same failure
+is a ``PatchError`` naming the entry and the cause: out of ``import
+vllm.engine.arg_utils`` (what every ``vllm serve`` imports), and for each entry from
+its install, with vLLM's objects put back.
+
+The entries vLLM does not reach through an import (``install`` None) are failed
+where the plugin applies them (:data:`ELSEWHERE`); a new such entry must be added
+there (the test says so). The engine-level checks (a model served with the patches
+failing, other models untouched by the plugin) are in ``test_other_models.py``.
+
+This file is also the worker script: ``python test_patch_failures.py imports MODE OUT``
+or ``... strict - OUT``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+EXCEPTIONS: tuple[type[Exception], ...] = (AttributeError, TypeError, RuntimeError, KeyError)
+
+# Registry entries without an install function and the plugin function whose failure
+# stands for theirs (patched on the module named, in the worker).
+ELSEWHERE: dict[str, tuple[str, str]] = {
+    # The layer is resolved and placed by the hook install_attention_layer arms.
+    "attention_layer": ("vllm_dsv4_backend.layer", "get_attention_layer_cls"),
+    # Built when vLLM asks the plugin's SWA backend for its builder.
+    "swa_unread_kernels": ("vllm_dsv4_backend.backend", "_cpu_swa_builder_cls"),
+}
+# Entries a mode does not fail. mxfp4_indexer_cache is applied while the plugin's layer
+# is resolved: failing attention_layer in "before" would leave it unreached, so it is
+# failed in "after" only, where attention_layer is left to surface its failure.
+NOT_FAILED: dict[str, frozenset[str]] = {
+    "after": frozenset({"attention_layer"}),
+    "before": frozenset({"mxfp4_indexer_cache"}),
+}
+# Entries whose real install changes no vLLM attribute in this flow, so "after" can
+# only check the failure is caught: the fallbacks register torch ops (none where
+# vLLM's library has them all); the LLM hook applies only where LLM was imported
+# before arg_utils (test_other_models' engine covers it); the SWA builder is a class.
+CHANGES_NOTHING = frozenset({"cpu_op_fallbacks", "llm_attention_config", "swa_unread_kernels"})
+
+
+def _exception_for(name: str) -> type[Exception]:
+    """The failure entry ``name`` gets (by its place in the registry)."""
+    from vllm_dsv4_backend.vllm_compat import patches
+
+    return EXCEPTIONS[list(patches.PATCHES).index(name) % len(EXCEPTIONS)]
+
+
+# ----------------------------------------------------------------------------
+# worker (a fresh interpreter: patches must not leak into pytest's process)
+# ----------------------------------------------------------------------------
+Snapshot = dict[tuple[int, str], tuple[Any, str, Any]]
+
+
+def _snapshot() -> Snapshot:
+    """Every attribute of every imported vLLM module and of the classes it defines."""
+    snap: Snapshot = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "vllm" or name.startswith("vllm.")):
+            continue
+        owners: list[Any] = [module]
+        owners += [v for v in list(vars(module).values())
+                   if isinstance(v, type) and v.__module__ == name]
+        for owner in owners:
+            for key, value in list(vars(owner).items()):
+                snap[(id(owner), key)] = (owner, key, value)
+    return snap
+
+
+def _changed(before: Snapshot, after: Snapshot) -> list[tuple[Any, str, Any]]:
+    """``(owner, attr, vLLM's value)`` of every attribute ``before`` had that changed."""
+    return [entry for key, entry in before.items()
+            if key not in after or after[key][2] is not entry[2]]
+
+
+def _failing(name: str, real: Callable[..., Any], mode: str, exc: type[Exception],
+             changed: dict[str, list[tuple[Any, str, Any]]]) -> Callable[..., Any]:
+    """``real`` that raises ``exc`` before (``before``) or after (``after``) running;
+    in ``after`` it records what ``real`` changed in vLLM."""
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        if mode == "after":
+            before = _snapshot()
+            real(*args, **kwargs)
+            changed.setdefault(name, []).extend(_changed(before, _snapshot()))
+        raise exc(f"injected into {name}")
+
+    return failing
+
+
+def _inject(mode: str, names: list[str], changed: dict[str, list[tuple[Any, str, Any]]],
+            elsewhere: bool) -> None:
+    """Fail every entry ``mode`` fails: the registry's installs, or (``elsewhere``)
+    the :data:`ELSEWHERE` functions (their modules import vLLM: only once it is)."""
+    from vllm_dsv4_backend.vllm_compat import patches
+
+    for name in names:
+        if name in NOT_FAILED.get(mode, ()):
+            continue
+        patch = patches.PATCHES[name]
+        exc = _exception_for(name)
+        if patch.install is not None and not elsewhere:
+            patches.PATCHES[name] = dataclasses.replace(
+                patch, install=_failing(name, patch.install, mode, exc, changed))
+        elif patch.install is None and elsewhere and name in ELSEWHERE:
+            module = importlib.import_module(ELSEWHERE[name][0])
+            attr = ELSEWHERE[name][1]
+            setattr(module, attr, _failing(name, getattr(module, attr), mode, exc, changed))
+
+
+def _capture_errors() -> dict[tuple[str, float], None]:
+    """ERROR records of vLLM's and the plugin's loggers from now on (keys: message, time)."""
+    seen: dict[tuple[str, float], None] = {}
+
+    class Handler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            # A record seen by both loggers counts once.
+            if record.levelno >= logging.ERROR:
+                seen[(record.getMessage(), record.created)] = None
+
+    for logger_name in ("vllm", "vllm_dsv4_backend"):
+        logging.getLogger(logger_name).addHandler(Handler())
+    return seen
+
+
+def _target_modules() -> list[str]:
+    """The modules the registry patches, CUDA's model aside (it does not import on CPU)."""
+    from vllm_dsv4_backend.vllm_compat import patches
+
+    return list(dict.fromkeys(m for p in patches.PATCHES.values() for m in p.modules
+                              if "nvidia" not in m))
+
+
+def _not_restored(changed: dict[str, list[tuple[Any, str, Any]]]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    missing = object()
+    for name, entries in changed.items():
+        bad = [f"{getattr(o, '__name__', o)}.{k}" for o, k, v in entries
+               if vars(o).get(k, missing) is not v]
+        if bad:
+            out[name] = bad
+    return out
+
+
+def _imports_worker(mode: str, out_path: str) -> None:
+    os.environ["VLLM_DSV4_ATTN_IMPL"] = "auto"
+    errors = _capture_errors()
+    from vllm_dsv4_backend.vllm_compat import hooks, patches
+
+    names = list(patches.PATCHES)
+    changed: dict[str, list[tuple[Any, str, Any]]] = {}
+    _inject(mode, names, changed, elsewhere=False)
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    import_errors = {}
+    for i, module in enumerate(_target_modules()):
+        if i == 0:
+            # vllm_dsv4_backend.layer imports no vLLM: in place before the model's import.
+            _inject(mode, ["attention_layer"], changed, elsewhere=True)
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - the report says which
+            import_errors[module] = f"{type(e).__name__}: {e}"
+    from vllm.models.deepseek_v4.cpu import cpu_sparse
+    from vllm.models.deepseek_v4.cpu import model as cpu_model
+
+    from vllm_dsv4_backend import backend
+
+    _inject(mode, [n for n in names if n != "attention_layer"], changed, elsewhere=True)
+    swa_cls = backend.get_swa_builder_cls()
+    from vllm.models.deepseek_v4.cpu.cpu_mla import DeepseekV4CPUSparseSWAMetadataBuilder
+
+    def is_port(value: Any) -> bool:
+        try:
+            return hooks.is_port(value)
+        except Exception:  # noqa: BLE001 - vLLM's placeholders for absent packages raise
+            return False
+
+    leftover = sorted(f"{getattr(o, '__name__', o)}.{k}" for o, k, v in _snapshot().values()
+                      if is_port(v))
+    report = {
+        "names": names,
+        "errors": [message for message, _ in errors],
+        "import_errors": import_errors,
+        "changed": {n: len(v) for n, v in changed.items()},
+        "not_restored": _not_restored(changed),
+        "leftover_ports": leftover,
+        "failed": patches.failed(),
+        "layer_is_vllms": cpu_model.DeepseekV4CPUAttention is cpu_sparse.DeepseekV4CPUAttention,
+        "swa_builder_is_vllms": swa_cls is DeepseekV4CPUSparseSWAMetadataBuilder,
+    }
+    Path(out_path).write_text(json.dumps(report))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _strict_worker(out_path: str) -> None:
+    os.environ["VLLM_DSV4_ATTN_IMPL"] = "plugin"
+    from vllm_dsv4_backend.vllm_compat import attention, patches
+
+    names = list(patches.PATCHES)
+    real = dict(patches.PATCHES)
+    # 1. Each entry on plain vLLM modules (no plugin loaded yet), through the
+    # registry's own install step, strict as register() arms it under plugin.
+    modules = {m: importlib.import_module(m) for m in _target_modules()}
+    from vllm.models.deepseek_v4.cpu import cpu_sparse
+    from vllm.models.deepseek_v4.cpu import model as cpu_model
+
+    changed: dict[str, list[tuple[Any, str, Any]]] = {}
+    per_entry: dict[str, dict[str, Any]] = {}
+    for name in names:
+        exc = _exception_for(name)
+        patch = real[name]
+        patches._failed.clear()  # each entry on its own (mxfp4 is applied by the layer too)
+        try:
+            if patch.install is not None:
+                injected = dataclasses.replace(
+                    patch, install=_failing(name, patch.install, "after", exc, changed))
+                for m in patch.modules:
+                    if m in modules:
+                        patches._install(injected, modules[m], lambda _d: None, strict=True)
+            elif name == "attention_layer":
+                from vllm_dsv4_backend import layer
+
+                # Fails once the plugin's layer is in place (then it must go).
+                vllm_cls = cpu_sparse.DeepseekV4CPUAttention
+                register_backend = attention._register_backend_of
+
+                def failing_register(cls: type, exc: type[Exception] = exc,
+                                     vllm_cls: type = vllm_cls) -> None:
+                    if cpu_model.DeepseekV4CPUAttention is not vllm_cls:
+                        changed["attention_layer"] = [
+                            (cpu_model, "DeepseekV4CPUAttention", vllm_cls)]
+                    raise exc("injected into attention_layer")
+
+                attention._register_backend_of = failing_register
+                try:
+                    attention.install_attention_layer(
+                        lambda: layer.get_attention_layer_cls("cpu"), platform="cpu")
+                finally:
+                    attention._register_backend_of = register_backend
+            elif name == "swa_unread_kernels":
+                from vllm_dsv4_backend import backend
+
+                backend._SWA_BUILDER_CLS = None
+                backend._cpu_swa_builder_cls = _failing(
+                    name, backend._cpu_swa_builder_cls, "after", exc, changed)
+                backend.get_swa_builder_cls()
+            else:
+                per_entry[name] = {"raised": None, "untested": True}
+                continue
+            per_entry[name] = {"raised": None}
+        except Exception as e:  # noqa: BLE001 - the report says what
+            per_entry[name] = {"raised": type(e).__name__, "message": str(e),
+                               "cause": type(e.__cause__).__name__ if e.__cause__ else None,
+                               "expected_cause": exc.__name__}
+        # Checked now: a later entry may apply this one for real (the layer applies mxfp4).
+        per_entry[name]["not_restored"] = _not_restored({name: changed.get(name, [])})
+    # 2. What `vllm serve` does: load the plugins, then import arg_utils; the failing
+    # hook must stop startup there, from inside that import.
+    patches._failed.clear()
+    patches._records.clear()
+    patches.PATCHES["architecture_check"] = dataclasses.replace(
+        real["architecture_check"], install=_failing(
+            "architecture_check", real["architecture_check"].install, "before",
+            AttributeError, {}))
+    sys.modules.pop("vllm.engine.arg_utils")
+    from vllm.plugins import load_general_plugins
+
+    startup: dict[str, Any] = {}
+    try:
+        load_general_plugins()
+        importlib.import_module("vllm.engine.arg_utils")
+        startup["raised"] = None
+    except Exception as e:  # noqa: BLE001 - the report says what
+        startup = {"raised": type(e).__name__, "message": str(e),
+                   "cause": type(e.__cause__).__name__ if e.__cause__ else None}
+    report = {"startup": startup, "per_entry": per_entry,
+              "changed": {n: len(v) for n, v in changed.items()}}
+    Path(out_path).write_text(json.dumps(report))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "imports":
+        _imports_worker(sys.argv[2], sys.argv[3])
+    else:
+        _strict_worker(sys.argv[3])
+
+
+# ----------------------------------------------------------------------------
+# tests
+# ----------------------------------------------------------------------------
+pytest.importorskip("vllm")
+
+from _helpers import run_script_report  # noqa: E402  (tests/vllm is on sys.path)
+
+from vllm_dsv4_backend.vllm_compat import patches  # noqa: E402
+
+NAMES = list(patches.PATCHES)
+CASES = [(mode, n) for mode in ("after", "before") for n in NAMES
+         if n not in NOT_FAILED[mode]]
+
+
+@pytest.fixture(scope="module")
+def imports_reports(tmp_path_factory) -> dict[str, dict]:
+    out = tmp_path_factory.mktemp("patch_failures")
+    return {mode: run_script_report(__file__, ["imports", mode], out / f"{mode}.json",
+                                    timeout=600)
+            for mode in ("after", "before")}
+
+
+@pytest.fixture(scope="module")
+def strict_report(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("patch_failures_strict")
+    return run_script_report(__file__, ["strict", "-"], out / "strict.json", timeout=600)
+
+
+def test_every_entry_has_an_injection_point():
+    missing = [n for n, p in patches.PATCHES.items() if p.install is None and n not in ELSEWHERE]
+    assert missing == [], (f"registry entries {missing} have no install function: add where "
+                           "their failure is injected to ELSEWHERE")
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("mode,name", CASES)
+def test_failing_patch_keeps_vllm(imports_reports, mode, name):
+    r = imports_reports[mode]
+    assert r["names"] == NAMES
+    assert r["import_errors"] == {}, "vLLM's modules must import whatever a patch raised"
+    named = [e for e in r["errors"] if f"patch {name} " in e]
+    assert len(named) == 1, (f"{name}: expected one ERROR line naming it, got {named}; "
+                             f"all ERROR lines: {r['errors']}")
+    assert _exception_for(name).__name__ in named[0]
+    assert name not in r["not_restored"], f"vLLM's objects not put back: {r['not_restored']}"
+    if mode == "after" and name not in CHANGES_NOTHING:
+        assert r["changed"].get(name, 0) > 0, f"{name}'s real install changed nothing"
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("mode", ["after", "before"])
+def test_failing_patches_leave_vllm_as_it_was(imports_reports, mode):
+    r = imports_reports[mode]
+    assert r["leftover_ports"] == [], "a failed patch left its replacement in vLLM"
+    assert r["layer_is_vllms"] and r["swa_builder_is_vllms"]
+    # Every ERROR line is a failed patch's (nothing else broke).
+    assert all("vllm_dsv4_backend: patch " in e for e in r["errors"]), r["errors"]
+
+
+@pytest.mark.vllm
+def test_explicit_request_turns_a_failing_patch_into_a_startup_error(strict_report):
+    s = strict_report["startup"]
+    assert s["raised"] == "PatchError", s
+    assert "patch architecture_check" in s["message"] and "AttributeError" in s["message"]
+    assert "VLLM_DSV4_ATTN_IMPL=plugin" in s["message"] and s["cause"] == "AttributeError"
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", NAMES)
+def test_explicit_request_names_the_failing_patch(strict_report, name):
+    r = strict_report["per_entry"][name]
+    assert r["raised"] == "PatchError", r
+    assert f"patch {name} " in r["message"] and r["cause"] == r["expected_cause"], r
+    assert r["not_restored"] == {}, f"vLLM's objects not put back: {r['not_restored']}"
+    if name not in CHANGES_NOTHING:
+        assert strict_report["changed"].get(name, 0) > 0, f"{name}'s real install changed nothing"
