@@ -471,7 +471,12 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
     ) -> None:
         if self.indexer is not None and index_q is not None:
             assert index_weights is not None
-            if self.indexer_kv_dtype == "fp8":
+            # A step without metadata (an idle data-parallel rank's dummy step, run
+            # to keep the MoE collectives in step, or a profile run) selects
+            # nothing: vLLM's SparseAttnIndexer.forward_cpu returns at once there.
+            if not isinstance(get_forward_context().attn_metadata, dict):
+                pass
+            elif self.indexer_kv_dtype == "fp8":
                 self._indexer_topk_fp8(index_q, index_weights, hidden_states.shape[0])
             else:
                 self._indexer_topk_mxfp4(index_q, index_q_scale, index_weights, positions)

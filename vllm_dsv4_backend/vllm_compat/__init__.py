@@ -33,6 +33,9 @@ CPU only, vLLM 0.32 without Triton:
   in ``allocate_kv_cache``; those tensors are dropped), and a later stage
   lacks its receive buffer when no warm-up step ran (allocated on first use)
   (:mod:`.pipeline`).
+* ``dp_collectives`` — data parallel: the MoE's ``all_gatherv`` and
+  ``reduce_scatterv``, which vLLM's CPU communicator lacks (HTTP 500 on every
+  request), on gloo (:mod:`.collectives`).
 * ``swa_unread_kernels`` — the plugin's CPU SWA metadata builder skips
   two vLLM kernels whose outputs no CPU layer reads (bound to a no-op during
   each build, restored after).
@@ -59,7 +62,7 @@ Modules:
 * :mod:`.hooks` — post-import hooks, the marker, signature checks, :class:`PatchError`.
 * :mod:`.version` — the 0.32.x (CPU) / 0.33.x and 0.34.x (CUDA) gate.
 * :mod:`.kernels` — the T1–T8 table and B1; :mod:`.loader` — the dummy loader;
-  :mod:`.pipeline` — the pipeline-parallel fixes;
+  :mod:`.pipeline` — the pipeline-parallel fixes; :mod:`.collectives` — the DP ones;
   :mod:`.cpu_ops` — the ``_C`` fallbacks; :mod:`.attention` — the layer hook
   point; :mod:`.fingerprints` — drift checks of the vLLM bodies the layers repeat.
   The config hooks live in :mod:`vllm_dsv4_backend.attention_config` and

@@ -43,7 +43,14 @@ from typing import Any
 
 from vllm_dsv4_backend import attention_config, guards
 from vllm_dsv4_backend._logging import init_logger
-from vllm_dsv4_backend.vllm_compat import attention, hooks, kernels, loader, pipeline
+from vllm_dsv4_backend.vllm_compat import (
+    attention,
+    collectives,
+    hooks,
+    kernels,
+    loader,
+    pipeline,
+)
 
 __all__ = ["PATCHES", "Patch", "applied", "apply", "arm", "describe", "failed"]
 
@@ -406,6 +413,25 @@ PATCHES: dict[str, Patch] = {
             "warm-up step",
             modules=(pipeline.RUNNER_MODULE,),
             install=pipeline.install_intermediate_buffer,
+            platforms=("cpu",),
+        ),
+        Patch(
+            name="dp_collectives",
+            why="Under --data-parallel-size vLLM 0.32 runs the MoE across the DP ranks through "
+            "the allgather_reducescatter all2all manager, which calls all_gatherv and "
+            "reduce_scatterv; CpuCommunicator inherits both from DeviceCommunicatorBase, where "
+            "they raise NotImplementedError: the server starts, every request returns HTTP 500.",
+            how="replaces DeviceCommunicatorBase.all_gatherv / reduce_scatterv (both raise "
+            "NotImplementedError; communicators with their own keep theirs) with gloo "
+            "collectives on the communicator's device_group: all_gather of rows padded to the "
+            "largest rank's count, all_reduce then this rank's rows "
+            "(vllm_compat.collectives)",
+            upstream="vllm/distributed/device_communicators/base_device_communicator.py: "
+            "DeviceCommunicatorBase.all_gatherv, DeviceCommunicatorBase.reduce_scatterv "
+            "(inherited by cpu_communicator.py: CpuCommunicator)",
+            remove_when="vLLM's CpuCommunicator implements all_gatherv and reduce_scatterv",
+            modules=(collectives.COMM_MODULE,),
+            install=collectives.install,
             platforms=("cpu",),
         ),
     )
