@@ -396,8 +396,10 @@ def step_sanitizer(args: argparse.Namespace) -> dict[str, Any]:
         except (OSError, ValueError):
             child = None
     res: dict[str, Any] = {"rc": rc, "child": child, "output_tail": tail}
-    if child is None:
-        res["status"] = "TIMEOUT" if rc == 124 else f"ERROR(rc {rc}, no JSON)"
+    if rc == 124:
+        res["status"] = "TIMEOUT"  # the child's JSON holds the steps it finished
+    elif child is None:
+        res["status"] = f"ERROR(rc {rc}, no JSON)"
     else:
         res["status"] = child.get("status", "ERROR")
         res["races"] = child.get("races")
