@@ -95,6 +95,15 @@ def test_bundle_contents_and_size(bundle_dir: Path) -> None:
     assert iface.splitlines()[change["line"]:] == original.splitlines()[change["line"]:]
     assert not re.search(r"^\s*(import|from)\s+vllm\b", iface, re.M)
 
+    # Symbol-level load check against this (CPU) torch: everything but the one CUDA
+    # entry point resolves (the same check against the box's torch 2.11 libraries is
+    # `bundle.py --verify --against ...`).
+    import torch
+
+    lib = Path(torch.__file__).parent / "lib"
+    miss = bundle_mod.unresolved(elf, [lib / "libtorch_cpu.so", lib / "libtorch.so"])
+    assert set(miss["torch_stable_abi_symbols"]) <= {"aoti_torch_get_current_cuda_stream"}
+
     # The .so and the interface belong together: the op's schema takes the arguments
     # the interface's sparse_decode_fwd call passes.
     (schema,) = [s for s in elf["op_schemas"] if s.startswith("sparse_decode_fwd(")]
@@ -141,7 +150,8 @@ def test_check_dry_run_with_vllm_blocked(bundle_dir: Path, tmp_path: Path) -> No
     # A CPU torch cannot load the CUDA .so: reported, from the rewired import line.
     assert load["loaded"] is False and load["error"].startswith("ImportError")
     assert "ModuleNotFoundError" not in load["error"]
-    assert load["stable_abi"]["checked"] > 40
+    assert load["symbols"]["torch_stable_abi_symbols"]["checked"] > 40
+    assert load["symbols"]["cxx_symbols"]["checked"] > 20
     assert load["kernel"].startswith("cpu-standin")
     cases = steps["cases"]["cases"]
     assert set(cases) == {"c4a_h64_inf_sink"}

@@ -32,6 +32,7 @@ import argparse
 import ast
 import hashlib
 import json
+import mmap
 import os
 import re
 import shutil
@@ -67,6 +68,7 @@ __all__ = [
     "find_vllm_dir",
     "make_bundle",
     "rewire_interface",
+    "unresolved",
     "verify_bundle",
 ]
 
@@ -119,48 +121,77 @@ def find_vllm_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
 # ------------------------------------------------------------------------------------------
 # ELF facts: what the .so needs from the box (read here, compared there before loading)
 # ------------------------------------------------------------------------------------------
+def _dynamic(path: Path) -> tuple[set[str], list[str], list[str]]:
+    """``(defined, undefined, needed)`` of an ELF64 little-endian shared object: its
+    defined dynamic symbols, its undefined non-weak ones (weak ones need not resolve) and
+    its ``DT_NEEDED`` libraries. A minimal reader (no binutils on the box), over mmap so a
+    450 MB libtorch is not read into memory."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+            raise BundleError(f"{path}: not an ELF64 little-endian file")
+        (shoff,) = struct.unpack_from("<Q", data, 0x28)
+        shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+        sections = []
+        for i in range(shnum):
+            (_name, typ, _flags, _addr, off, size, link, _info, _align,
+             entsize) = struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize)
+            sections.append((typ, off, size, link, entsize))
+        defined: set[str] = set()
+        undefined: list[str] = []
+        needed: list[str] = []
+        for typ, off, size, link, entsize in sections:
+            strtab = sections[link][1]
+
+            def cstr(o: int, base: int = strtab) -> str:
+                end = data.find(b"\0", base + o)
+                return data[base + o:end].decode("ascii", "replace")
+
+            if typ == 11:  # SHT_DYNSYM
+                for k in range(1, size // entsize):
+                    st_name, st_info, _other, st_shndx = struct.unpack_from(
+                        "<IBBH", data, off + k * entsize)
+                    if not st_name:
+                        continue
+                    if st_shndx != 0:
+                        defined.add(cstr(st_name))
+                    elif st_info >> 4 != 2:  # not STB_WEAK
+                        undefined.append(cstr(st_name))
+            elif typ == 6:  # SHT_DYNAMIC
+                for k in range(size // 16):
+                    tag, val = struct.unpack_from("<qQ", data, off + k * 16)
+                    if tag == 1:  # DT_NEEDED
+                        needed.append(cstr(val))
+    return defined, undefined, needed
+
+
 def elf_facts(path: Path) -> dict[str, Any]:
-    """``DT_NEEDED`` libraries, the undefined dynamic symbols of torch's stable C ABI
-    (``aoti_torch_*`` / ``torch_*``: a torch older than the one the wheel pins may lack
-    some, and the load then fails with ``undefined symbol``), and the op schemas the
-    ``.so`` registers. A minimal ELF64 little-endian reader (no binutils on the box)."""
+    """What the ``.so`` needs from the box: ``DT_NEEDED`` libraries; the undefined symbols
+    of torch's stable C ABI (``aoti_torch_*`` / ``torch_*``: a torch older than the one
+    the wheel pins may lack some, and the load then fails with ``undefined symbol``) and
+    the C++ ones (``_Z*``: libstdc++, some newer than an old system's, which torch's own
+    libraries may export); the op schemas it registers and the GPU archs it names."""
+    _defined, undefined, needed = _dynamic(path)
     data = path.read_bytes()
-    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
-        raise BundleError(f"{path}: not an ELF64 little-endian file")
-    (shoff,) = struct.unpack_from("<Q", data, 0x28)
-    shentsize, shnum, _shstrndx = struct.unpack_from("<HHH", data, 0x3A)
-    sections = []
-    for i in range(shnum):
-        (name, typ, _flags, _addr, off, size, link, _info, _align, entsize) = struct.unpack_from(
-            "<IIQQQQIIQQ", data, shoff + i * shentsize)
-        sections.append((typ, off, size, link, entsize))
-    needed: list[str] = []
-    undefined: list[str] = []
-    for typ, off, size, link, entsize in sections:
-        strtab_off = sections[link][1]
-
-        def cstr(o: int, base: int = strtab_off) -> str:
-            end = data.index(b"\0", base + o)
-            return data[base + o:end].decode("ascii", "replace")
-
-        if typ == 11:  # SHT_DYNSYM
-            for k in range(1, size // entsize):
-                st_name, _st_info, _other, st_shndx = struct.unpack_from(
-                    "<IBBH", data, off + k * entsize)
-                if st_shndx == 0 and st_name:
-                    undefined.append(cstr(st_name))
-        elif typ == 6:  # SHT_DYNAMIC
-            for k in range(size // 16):
-                tag, val = struct.unpack_from("<qQ", data, off + k * 16)
-                if tag == 1:  # DT_NEEDED
-                    needed.append(cstr(val))
-    torch_syms = sorted(s for s in undefined if s.startswith(("aoti_torch_", "torch_")))
     schemas = sorted({m.decode() for m in re.findall(
         rb"(?<![A-Za-z_])((?:sparse|dense)_(?:decode|prefill)_(?:fwd|bwd)\(Tensor[^\x00]*)",
         data)})
     archs = sorted({m.decode() for m in re.findall(rb"sm_\d+[af]?(?![0-9a-z_])", data)})
-    return {"needed": needed, "torch_stable_abi_symbols": torch_syms,
+    return {"needed": needed,
+            "torch_stable_abi_symbols": sorted(
+                s for s in undefined if s.startswith(("aoti_torch_", "torch_"))),
+            "cxx_symbols": sorted(s for s in undefined if s.startswith("_Z")),
             "op_schemas": schemas, "arch_strings": archs}
+
+
+def unresolved(manifest_elf: dict[str, Any], libs: list[Path]) -> dict[str, list[str]]:
+    """The ``.so``'s torch stable-ABI and C++ symbols that none of ``libs`` defines (e.g.
+    another torch's ``libtorch*.so`` and a ``libstdc++.so.6``): a symbol-level answer to
+    "does it load on that torch", checkable here without a GPU."""
+    have: set[str] = set()
+    for lib in libs:
+        have |= _dynamic(lib)[0]
+    return {k: [s for s in manifest_elf.get(k, []) if s not in have]
+            for k in ("torch_stable_abi_symbols", "cxx_symbols")}
 
 
 # ------------------------------------------------------------------------------------------
@@ -311,12 +342,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-dir", help="the vllm package directory to copy from")
     ap.add_argument("--dest", default=str(DEFAULT_DEST))
     ap.add_argument("--verify", action="store_true", help="only verify an existing bundle")
+    ap.add_argument("--against", action="append", default=[], metavar="LIB",
+                    help="with --verify: also list the .so's torch / C++ symbols these "
+                         "libraries (another torch's lib/libtorch*.so, a libstdc++.so.6) "
+                         "do not define; repeatable")
     args = ap.parse_args(argv)
     if args.verify:
         rep = verify_bundle(args.dest)
-        print(json.dumps({k: rep[k] for k in ("dir", "ok", "problems", "total_bytes")
-                          if k in rep}, indent=1))
-        return 0 if rep["ok"] else 1
+        short = {k: rep[k] for k in ("dir", "ok", "problems", "total_bytes") if k in rep}
+        if args.against and rep.get("elf"):
+            short["unresolved"] = unresolved(rep["elf"], [Path(p) for p in args.against])
+            short["ok"] = rep["ok"] and not any(short["unresolved"].values())
+        print(json.dumps(short, indent=1))
+        return 0 if short["ok"] else 1
     try:
         m = make_bundle(args.vllm_dir, args.dest)
     except BundleError as e:

@@ -8,9 +8,10 @@ a failing step reports its error and the next one still runs):
 
 1. ``env``: python / torch / CUDA / GPU, and that ``import vllm`` fails (as on the box);
 2. ``bundle``: :func:`tools.gpu_flashmla.bundle.verify_bundle` (files, sizes, sha256);
-3. ``load``: which of the torch stable-ABI symbols the ``.so`` needs this torch lacks,
-   then ``import dsv4_flashmla.flash_mla_interface`` (which loads the ``.so``), with the
-   error if it fails: the wheel pins torch 2.14, the box has 2.11;
+3. ``load``: which of the torch stable-ABI and C++ symbols the ``.so`` needs this
+   torch and libstdc++ lack, then ``import dsv4_flashmla.flash_mla_interface`` (which
+   loads the ``.so``), with the error if it fails: the wheel pins torch 2.14, the box has
+   2.11 (whose libraries define every symbol it needs: ``bundle.py --verify --against``);
 4. ``cases``: every :data:`tools.gpu_flashmla.cases.CASES` case eagerly, two calls per
    step on one ``get_mla_metadata()`` plan (two layers of a type, as vLLM shares it),
    ``out=`` a slice of a sentinel-filled buffer, each against the reference
@@ -117,16 +118,21 @@ def step_env() -> dict[str, Any]:
     return res
 
 
-def _missing_symbols(symbols: list[str]) -> dict[str, Any]:
-    # dlsym on torch's own libraries (already loaded by `import torch`; CDLL returns the
-    # same handle): a symbol none of them defines makes the .so's load fail.
+def _missing_symbols(elf: dict[str, Any]) -> dict[str, Any]:
+    # dlsym on torch's own libraries and libstdc++ (already loaded by `import torch`; CDLL
+    # returns the same handle): a symbol none of them defines makes the .so's load fail.
     libdir = Path(torch.__file__).parent / "lib"
     handles = []
-    for name in ("libtorch_cpu.so", "libtorch_cuda.so", "libtorch.so"):
+    for name in ("libtorch_cpu.so", "libtorch_cuda.so", "libtorch.so", "libstdc++.so.6"):
         with contextlib.suppress(OSError):
-            handles.append(ctypes.CDLL(str(libdir / name)))
-    missing = [s for s in symbols if not any(hasattr(h, s) for h in handles)]
-    return {"checked": len(symbols), "missing": missing, "libs": len(handles)}
+            handles.append(ctypes.CDLL(name if name.startswith("libstdc") else
+                                       str(libdir / name)))
+    res: dict[str, Any] = {"libs": len(handles)}
+    for key in ("torch_stable_abi_symbols", "cxx_symbols"):
+        syms = elf.get(key) or []
+        res[key] = {"checked": len(syms),
+                    "missing": [s for s in syms if not any(hasattr(h, s) for h in handles)]}
+    return res
 
 
 def _has_op(name: str) -> bool:
@@ -156,8 +162,7 @@ def step_load(bundle_dir: str, dry: bool) -> tuple[dict[str, Any], Any]:
 
     verify = bundle_mod.verify_bundle(bundle_dir)
     res: dict[str, Any] = {"status": "OK", "torch": torch.__version__}
-    syms = (verify.get("elf") or {}).get("torch_stable_abi_symbols") or []
-    res["stable_abi"] = _missing_symbols(syms)
+    res["symbols"] = _missing_symbols(verify.get("elf") or {})
     if bundle_dir not in sys.path:
         sys.path.insert(0, bundle_dir)
     fake_name = bundle_mod.PACKAGE + "._flashmla_C"
