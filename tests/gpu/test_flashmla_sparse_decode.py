@@ -58,9 +58,9 @@ def iface() -> Any:
 
 @pytest.mark.parametrize("spec", cases.CASES, ids=lambda s: s.name)
 def test_flashmla_matches_reference(iface: Any, spec: cases.CaseSpec) -> None:
-    from tools.gpu_flashmla import check
+    from tools.gpu_flashmla import runs
 
-    res = check.run_case(iface, spec, "cuda")
+    res = runs.run_case(iface, spec, "cuda")
     worst = [{k: c[k].get(m) for k in ("out", "lse")
               for m in ("max_abs_err", "elements_out_of_tolerance", "cos_diff")}
              for c in res["calls"]]
@@ -68,8 +68,8 @@ def test_flashmla_matches_reference(iface: Any, spec: cases.CaseSpec) -> None:
 
 
 def test_flashmla_cuda_graph_replay(iface: Any) -> None:
-    from tools.gpu_flashmla import check
+    from tools.gpu_flashmla import runs
 
     (spec,) = [s for s in cases.CASES if s.name == "c4a_h64"]
-    res = check.step_graph(iface, spec)
+    res = runs.step_graph(iface, spec)
     assert res["status"] == "PASS", [r["ok"] for r in res["replays"]]

@@ -10,7 +10,8 @@
   builds them (SWA / C4A / C128A metadata through the plugin's ports of vLLM's metadata
   kernels, the 584 B ``fp8_ds_mla`` caches) and the comparison rule.
 - :mod:`.check` (on the box; ``--dry-run`` here): loads the ``.so`` and reports whether it
-  loads on the box's torch, runs FlashMLA eagerly, under a CUDA graph and on a side
-  stream against the plugin's serial torch reference, and a pass under
-  ``TORCH_CUDA_SANITIZER=1``; writes one JSON.
+  loads on the box's torch, then runs :mod:`.runs` (FlashMLA eagerly, under a CUDA graph
+  and on a side stream against the plugin's serial torch reference) and :mod:`.sanitizer`
+  (the same under ``TORCH_CUDA_SANITIZER=1``, plus a no-fence control); writes one JSON
+  (:mod:`.report`).
 """

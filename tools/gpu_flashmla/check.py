@@ -37,16 +37,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import json
 import os
 import platform
-import subprocess
 import sys
-import tempfile
-import time
 import traceback
 import types
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,41 +53,11 @@ import torch  # noqa: E402
 
 from tools.gpu_flashmla import bundle as bundle_mod  # noqa: E402
 from tools.gpu_flashmla import cases as C  # noqa: E402
+from tools.gpu_flashmla import runs, sanitizer  # noqa: E402
+from tools.gpu_flashmla.report import Report  # noqa: E402
 
 DEFAULT_OUT = os.path.join(os.environ.get("OUT") or str(ROOT / ".scratch" / "gpu_check"),
                            "flashmla_check.json")
-SENTINEL = 7.0  # out= buffer rows outside the call's slice must keep it
-
-
-# ------------------------------------------------------------------------------------------
-# the report
-# ------------------------------------------------------------------------------------------
-class Report:
-    def __init__(self, path: str, doc: dict[str, Any]) -> None:
-        self.path, self.doc = path, doc
-
-    def write(self) -> None:
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.doc, f, indent=1, default=str)
-        os.replace(tmp, self.path)
-
-    def step(self, name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        """Run one step; an exception becomes ``{"status": "ERROR", ...}``, never a crash."""
-        t0 = time.monotonic()
-        print(f"== flashmla check: {name}", flush=True)
-        try:
-            res = fn()
-        except Exception as e:  # noqa: BLE001 - every step reports instead of crashing
-            res = {"status": "ERROR", "error": f"{type(e).__name__}: {e}",
-                   "traceback": traceback.format_exc(limit=8)}
-        res["seconds"] = round(time.monotonic() - t0, 2)
-        self.doc["steps"][name] = res
-        print(f"   {name}: {res.get('status')} ({res['seconds']} s)"
-              + (f" {res['error']}" if "error" in res else ""), flush=True)
-        self.write()
-        return res
 
 
 # ------------------------------------------------------------------------------------------
@@ -219,248 +184,6 @@ class CpuStandIn:
 
 
 # ------------------------------------------------------------------------------------------
-# steps 4-6: FlashMLA against the reference
-# ------------------------------------------------------------------------------------------
-def _fresh_q(case: C.DecodeCase, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(9000 + seed)
-    return C.random_q(tuple(case.q.shape), g)
-
-
-def _with_q(case: C.DecodeCase, q: torch.Tensor) -> C.DecodeCase:
-    t = case.tensors()
-    t["q"] = q
-    return C.DecodeCase(case.spec, facts=case.facts, **t)  # type: ignore[arg-type]
-
-
-def _cmp(out: torch.Tensor, lse: torch.Tensor, ref: tuple[torch.Tensor, torch.Tensor]
-         ) -> dict[str, Any]:
-    o = C.compare(out, ref[0], "out")
-    ls = C.compare(lse, ref[1], "lse")
-    return {"ok": o["ok"] and ls["ok"], "out": o, "lse": ls}
-
-
-def run_case(iface: Any, spec: C.CaseSpec, device: str) -> dict[str, Any]:
-    case = C.build_case(spec)
-    layer2 = _with_q(case, _fresh_q(case, spec.seed))  # second layer of the type
-    refs = [C.reference(case), C.reference(layer2)]
-    dev, dev2 = case.to(device), layer2.to(device)
-    n, h = case.q.shape[0], case.q.shape[2]
-    sched = iface.get_mla_metadata()[0]
-    res: dict[str, Any] = {"facts": case.facts, "calls": []}
-    for i, c in enumerate((dev, dev2)):
-        # out= a slice of a larger sentinel buffer, as vLLM passes output.unsqueeze(1).
-        buf = torch.full((n + 4, h, C.D), SENTINEL, dtype=torch.bfloat16, device=device)
-        view = buf[2: n + 2].unsqueeze(1)
-        out, lse = iface.flash_mla_with_kvcache(
-            **c.kwargs(), tile_scheduler_metadata=sched, out=view)
-        if device != "cpu":
-            torch.cuda.synchronize()
-        call = _cmp(out, lse, refs[i])
-        call["out_is_buffer"] = out.data_ptr() == view.data_ptr()
-        call["sentinel_kept"] = bool((buf[:2] == SENTINEL).all() and
-                                     (buf[n + 2:] == SENTINEL).all())
-        call["ok"] = call["ok"] and call["out_is_buffer"] and call["sentinel_kept"]
-        res["calls"].append(call)
-    res["sched"] = {
-        "tile_scheduler_metadata": list(sched.tile_scheduler_metadata.shape)
-        if sched.tile_scheduler_metadata is not None else None,
-        "num_splits": list(sched.num_splits.shape) if sched.num_splits is not None else None,
-    }
-    res["ok"] = all(c["ok"] for c in res["calls"])
-    # The tolerance's headroom for the kernel's known rounding (informational).
-    emu = _cmp(*C.bf16_p_emulation(case), refs[0])
-    res["bf16_p_emulation"] = {"ok": emu["ok"], **{
-        f"{k}_{m}": emu[k][m] for k in ("out", "lse") for m in ("max_abs_err", "cos_diff")}}
-    return res
-
-
-def step_cases(iface: Any, specs: list[C.CaseSpec], device: str) -> dict[str, Any]:
-    res: dict[str, Any] = {"device": device, "tolerance": C.TOLERANCE, "cases": {}}
-    for spec in specs:
-        try:
-            res["cases"][spec.name] = run_case(iface, spec, device)
-        except Exception as e:  # noqa: BLE001 - one case's failure must not hide the rest
-            res["cases"][spec.name] = {"ok": False, "error": f"{type(e).__name__}: {e}",
-                                       "traceback": traceback.format_exc(limit=6)}
-            # Under TORCH_CUDA_SANITIZER=1 a race raises CUDASanitizerErrors: count it.
-            errors = getattr(e, "errors", None)
-            if type(e).__name__ == "CUDASanitizerErrors" and errors is not None:
-                res["cases"][spec.name].update(
-                    races=len(errors), race_reports=[str(x)[:2000] for x in errors[:3]])
-    bad = [k for k, v in res["cases"].items() if not v["ok"]]
-    res["status"] = "PASS" if not bad else "FAIL"
-    res["failed"] = bad
-    return res
-
-
-def step_graph(iface: Any, spec: C.CaseSpec) -> dict[str, Any]:
-    """vLLM's FULL-graph pattern: a fresh plan captured with the planner inside, two
-    calls on it, replayed on new steps' values copied into the static inputs."""
-    case = C.build_case(spec)
-    st = case.to("cuda")
-    q2 = _fresh_q(case, spec.seed).cuda()
-    n, h = case.q.shape[0], case.q.shape[2]
-    out1 = torch.empty(n, 1, h, C.D, dtype=torch.bfloat16, device="cuda")
-    out2 = torch.empty_like(out1)
-    # Warm-up outside the capture (module load, first-call planner allocations).
-    iface.flash_mla_with_kvcache(**st.kwargs(),
-                                 tile_scheduler_metadata=iface.get_mla_metadata()[0])
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    kw2 = dict(st.kwargs(), q=q2)
-    with torch.cuda.graph(graph):
-        sched = iface.get_mla_metadata()[0]
-        _, lse1 = iface.flash_mla_with_kvcache(**st.kwargs(), tile_scheduler_metadata=sched,
-                                               out=out1)
-        _, lse2 = iface.flash_mla_with_kvcache(**kw2, tile_scheduler_metadata=sched, out=out2)
-    res: dict[str, Any] = {"case": spec.name, "replays": []}
-    for step in (0, 1, 2):
-        nxt = case if step == 0 else C.next_step(case, step)
-        nq2 = _fresh_q(case, 100 + step)
-        for dst, src in ((st.q, nxt.q), (st.swa_indices, nxt.swa_indices),
-                         (st.swa_lens, nxt.swa_lens), (st.extra_indices, nxt.extra_indices),
-                         (st.extra_lens, nxt.extra_lens), (q2, nq2)):
-            if dst is not None:
-                dst.copy_(src)
-        graph.replay()
-        torch.cuda.synchronize()
-        r1, r2 = C.reference(nxt), C.reference(_with_q(nxt, nq2))
-        c1, c2 = _cmp(out1, lse1, r1), _cmp(out2, lse2, r2)
-        res["replays"].append({"step": step, "ok": c1["ok"] and c2["ok"],
-                               "layer1": c1, "layer2": c2})
-    res["status"] = "PASS" if all(r["ok"] for r in res["replays"]) else "FAIL"
-    return res
-
-
-def _stream_run(iface: Any, case: C.DecodeCase, fence_fork: bool) -> tuple[Any, Any]:
-    """Producer on the main stream, FlashMLA on an aux stream, consumer on main: the
-    CUDA layer's fork/join. ``fence_fork=False`` drops the fork's wait (the control)."""
-    main = torch.cuda.current_stream()
-    aux = torch.cuda.Stream()
-    dev = case.to("cuda")
-    q = dev.q * 1  # produced on main right before the fork
-    out = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
-    if fence_fork:
-        aux.wait_stream(main)
-    with torch.cuda.stream(aux):
-        _, lse = iface.flash_mla_with_kvcache(**dict(dev.kwargs(), q=q),
-                                              tile_scheduler_metadata=iface.get_mla_metadata()[0],
-                                              out=out)
-        done = torch.cuda.Event()
-        done.record(aux)
-    main.wait_event(done)
-    res = out.clone(), lse.clone()  # the consumer, on main
-    torch.cuda.synchronize()
-    return res
-
-
-def step_streams(iface: Any, spec: C.CaseSpec) -> dict[str, Any]:
-    case = C.build_case(spec)
-    ref = C.reference(case)
-    out, lse = _stream_run(iface, case, fence_fork=True)
-    eager_out, eager_lse = iface.flash_mla_with_kvcache(
-        **case.to("cuda").kwargs(), tile_scheduler_metadata=iface.get_mla_metadata()[0])
-    torch.cuda.synchronize()
-    res = _cmp(out, lse, ref)
-    res["bitwise_equal_to_eager"] = bool(torch.equal(out, eager_out.view_as(out)) and
-                                         torch.equal(lse, eager_lse))
-    res["status"] = "PASS" if res["ok"] else "FAIL"
-    return res
-
-
-# ------------------------------------------------------------------------------------------
-# step 7: the sanitizer pass (parent and child)
-# ------------------------------------------------------------------------------------------
-def step_sanitizer(args: argparse.Namespace) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        child_out = os.path.join(tmp, "sanitizer.json")
-        cases = args.cases
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        if args.dry_run:
-            # CSAN asks torch.cuda for the current stream on every op, which a CPU torch
-            # refuses: the dry run checks the child's plumbing on its first case only.
-            cases = cases.split(",")[0]
-            env.pop("TORCH_CUDA_SANITIZER", None)
-        else:
-            env["TORCH_CUDA_SANITIZER"] = "1"
-        cmd = [sys.executable, os.path.abspath(__file__), "--sanitizer-child",
-               "--bundle", args.bundle, "--out", child_out, "--cases", cases]
-        if args.dry_run:
-            cmd.append("--dry-run")
-        try:
-            p = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                               timeout=args.sanitizer_timeout)
-            rc, tail = p.returncode, (p.stdout + p.stderr)[-4000:]
-        except subprocess.TimeoutExpired as e:
-            rc = 124
-            tail = ((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes)
-                    else (e.stdout or ""))[-4000:]
-        try:
-            with open(child_out) as f:
-                child = json.load(f)
-        except (OSError, ValueError):
-            child = None
-    res: dict[str, Any] = {"rc": rc, "child": child, "output_tail": tail}
-    if rc == 124:
-        res["status"] = "TIMEOUT"  # the child's JSON holds the steps it finished
-    elif child is None:
-        res["status"] = f"ERROR(rc {rc}, no JSON)"
-    else:
-        res["status"] = child.get("status", "ERROR")
-        res["races"] = child.get("races")
-    return res
-
-
-def child_main(args: argparse.Namespace, rep: Report, iface: Any, specs: list[C.CaseSpec],
-               device: str) -> str:
-    """Under ``TORCH_CUDA_SANITIZER=1``: cases and the fenced stream run must be silent;
-    the control without the fork's fence must raise ``CUDASanitizerErrors``."""
-    from torch.cuda import _sanitizer as csan
-
-    rep.doc["sanitizer_enabled"] = bool(csan.cuda_sanitizer.enabled)
-    if device == "cuda" and not csan.cuda_sanitizer.enabled:
-        rep.doc["steps"]["sanitizer"] = {"status": "ERROR",
-                                         "error": "TORCH_CUDA_SANITIZER=1 did not enable CSAN"}
-        return "FAIL"
-    races: dict[str, Any] = {}
-
-    def guarded(name: str, fn: Callable[[], dict[str, Any]]) -> None:
-        # A race raises out of the op's dispatch: count it instead of failing the step.
-        def run() -> dict[str, Any]:
-            try:
-                r = fn()
-                races[name] = 0
-                return r
-            except csan.CUDASanitizerErrors as e:
-                races[name] = len(e.errors)
-                return {"status": "RACE", "errors": [str(x)[:2000] for x in e.errors[:3]]}
-        rep.step(name, run)
-
-    rep.step("cases", lambda: step_cases(iface, specs, device))
-    races["cases"] = sum(c.get("races", 0) for c in
-                         rep.doc["steps"]["cases"].get("cases", {}).values())
-    if device == "cuda":
-        stream_spec = next((s for s in specs if s.kind != "swa"), specs[0])
-        guarded("streams", lambda: step_streams(iface, stream_spec))
-
-        def control() -> dict[str, Any]:
-            try:
-                _stream_run(iface, C.build_case(stream_spec), fence_fork=False)
-            except csan.CUDASanitizerErrors as e:
-                torch.cuda.synchronize()  # the unfenced launch may still run: quiesce
-                return {"status": "DETECTED", "races": len(e.errors),
-                        "first": str(e.errors[0])[:2000]}
-            return {"status": "MISSED"}
-        rep.step("control_no_fork_fence", control)
-    rep.doc["races"] = races
-    ok = (all(v == 0 for v in races.values())
-          and all(rep.doc["steps"][k].get("status") == "PASS" for k in races))
-    if device == "cuda":
-        ok = ok and rep.doc["steps"]["control_no_fork_fence"]["status"] == "DETECTED"
-    return "PASS" if ok else "FAIL"
-
-
-# ------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", default=str(bundle_mod.DEFAULT_DEST))
@@ -516,16 +239,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flashmla check: {rep.doc['status']}; {args.out}")
         return 1
     if args.sanitizer_child:
-        rep.doc["status"] = child_main(args, rep, iface, specs, device)
+        rep.doc["status"] = sanitizer.child_main(args, rep, iface, specs, device)
         rep.write()
         return 0 if rep.doc["status"] == "PASS" else 1
-    rep.step("cases", lambda: step_cases(iface, specs, device))
+    rep.step("cases", lambda: runs.step_cases(iface, specs, device))
     graph_spec = next((s for s in specs if s.kind == "c4a"), specs[0])
-    for name, fn in (("graph", lambda: step_graph(iface, graph_spec)),
-                     ("streams", lambda: step_streams(iface, graph_spec))):
+    for name, fn in (("graph", lambda: runs.step_graph(iface, graph_spec)),
+                     ("streams", lambda: runs.step_streams(iface, graph_spec))):
         rep.step(name, fn if cuda else lambda: {"status": "SKIPPED", "why": "needs CUDA"})
     rep.step("sanitizer", (lambda: {"status": "SKIPPED", "why": "--no-sanitizer"})
-             if args.no_sanitizer else (lambda: step_sanitizer(args)))
+             if args.no_sanitizer else (lambda: sanitizer.step_sanitizer(args)))
     ok_states = ("OK", "PASS", "SKIPPED")
     bad = [k for k, v in rep.doc["steps"].items()
            if v.get("status") not in ok_states and not (k == "load" and args.dry_run)]
