@@ -6,6 +6,7 @@ the registry's one marker instead of ad-hoc flags."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,50 @@ def test_one_idempotency_marker() -> None:
         if "_dsv4_patched" in p.read_text()
     ]
     assert offenders == []
+
+
+def test_a_failing_hook_never_breaks_the_import(tmp_path, monkeypatch) -> None:
+    """Any post-import hook (not only the registry's, which catch their own failures):
+    whatever it raises is one ERROR line naming it, the import succeeds and the module's
+    other hooks run; under VLLM_DSV4_ATTN_IMPL=plugin it is a startup error."""
+    import importlib
+    import logging
+
+    from vllm_dsv4_backend.vllm_compat import hooks
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ran: list[str] = []
+
+    def broken_hook(module) -> None:
+        raise AttributeError("vLLM renamed something")
+
+    for name in ("dsv4_hooked_a", "dsv4_hooked_b"):
+        (tmp_path / f"{name}.py").write_text("VALUE = 1\n")
+        monkeypatch.delitem(sys.modules, name, raising=False)
+        hooks.when_imported(name, broken_hook)
+        hooks.when_imported(name, lambda m: ran.append(m.__name__))
+
+    errors: list[str] = []
+
+    class Errors(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.ERROR:
+                errors.append(record.getMessage())
+
+    # On the hooks module's own logger: the package logger may not propagate (once
+    # attached to vLLM's handlers).
+    handler = Errors()
+    hooks.logger.addHandler(handler)
+    monkeypatch.delenv("VLLM_DSV4_ATTN_IMPL", raising=False)
+    try:
+        assert importlib.import_module("dsv4_hooked_a").VALUE == 1
+    finally:
+        hooks.logger.removeHandler(handler)
+    assert len(errors) == 1 and "broken_hook" in errors[0], errors
+    assert "AttributeError: vLLM renamed something" in errors[0]
+    assert ran == ["dsv4_hooked_a"]
+
+    monkeypatch.setenv("VLLM_DSV4_ATTN_IMPL", "plugin")
+    with pytest.raises(AttributeError, match="vLLM renamed something"):
+        importlib.import_module("dsv4_hooked_b")
+    assert "dsv4_hooked_b" not in sys.modules

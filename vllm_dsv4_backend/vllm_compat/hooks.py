@@ -288,7 +288,29 @@ def _run_hooks(name: str, module: ModuleType) -> None:
     with _lock:
         hooks = _hooks.pop(name, [])
     for hook in hooks:
+        _call(hook, module)
+
+
+def _call(hook: Callable[[ModuleType], None], module: ModuleType) -> None:
+    """Run one hook; whatever it raises stays out of vLLM's import.
+
+    The registry's hooks (``patches._install``, the layer's) handle their own
+    failures and raise a :class:`PatchError` only when asked to (the plugin was
+    requested explicitly): that one goes through, a startup error. This is the net
+    for anything else a hook raises: one ERROR line naming it, vLLM's import goes
+    on, and the module's other hooks still run (under ``plugin`` it raises too).
+    """
+    try:
         hook(module)
+    except PatchError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a plugin hook must not break vLLM's import
+        from vllm_dsv4_backend import envs
+
+        if envs.VLLM_DSV4_ATTN_IMPL == "plugin":
+            raise
+        name = getattr(hook, "__qualname__", None) or repr(hook)
+        patch_failed(f"hook {name}", module.__name__, e, strict=False)
 
 
 def when_imported(module_name: str, hook: Callable[[ModuleType], None]) -> None:
@@ -303,7 +325,7 @@ def when_imported(module_name: str, hook: Callable[[ModuleType], None]) -> None:
             if _finder not in sys.meta_path:
                 sys.meta_path.insert(0, _finder)
             return
-    hook(module)
+    _call(hook, module)
 
 
 def _initializing(module: ModuleType) -> bool:
