@@ -62,7 +62,7 @@ from vllm_dsv4_backend.workspace import SimStreamBackend, WorkspaceConfig  # noq
 # The layers are built as the CUDA-graph harness builds them (without __init__).
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "cuda_graph"))
 try:
-    from harness import bare_module  # noqa: E402
+    from model import bare_module  # noqa: E402
 finally:
     sys.path.pop(0)
 

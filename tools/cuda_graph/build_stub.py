@@ -17,7 +17,8 @@ decorators included, stripped non-empty lines, sha256[:16]):
 * ``DeepseekV4FlashMLAAttention.forward_mqa`` / ``._forward_decode``;
 * ``vllm/utils/multi_stream_utils.py`` whole;
 * ``eager_break_during_capture`` and ``BreakableCUDAGraphCapture``;
-* ``dbo_current_ubatch_id``.
+* ``vllm/v1/worker/ubatching.py`` whole (``UBatchContext``,
+  ``make_ubatch_contexts``, the ``dbo_*`` hand-overs).
 
 Everything else is a small shim written here (forward context, logger,
 platform, envs, ``CUDAGraphMode``) or a stand-in for a CUDA-only kernel or a
@@ -79,7 +80,7 @@ class Cuts:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.files = {rel: Source(root, rel) for rel in (ATTN, COMP, FLASHMLA, BCG, UBATCH)}
+        self.files = {rel: Source(root, rel) for rel in (ATTN, COMP, FLASHMLA, BCG)}
         self.log: list[tuple[str, str, int, int]] = []
         self.substituted: list[str] = []
 
@@ -289,11 +290,11 @@ def _weak_ref_capture_arg(arg: Any) -> Any:
 
 '''
 
-UBATCH_HEAD = '''import threading
-
-_THREAD_ID_TO_CONTEXT: dict = {}
+TORCH_UTILS = '''import torch
 
 
+def current_stream():
+    return torch.cuda.current_stream()
 '''
 
 ATTN_HEAD = '''"""vLLM's DeepseekV4Attention / DeepseekV4Indexer control flow, verbatim;
@@ -444,6 +445,7 @@ class DeepseekV4FlashMLAAttention(DeepseekV4Attention):
     # --- stand-ins (not vLLM's bodies) ------------------------------------------------
 
     def _o_proj(self, o, positions):
+        S.maybe_yield_before_o_proj()
         return S.matmul(o.reshape(o.shape[0], -1), self.w_o, o.dtype)
 
     def _forward_prefill(self, q, positions, compressed_k_cache, swa_k_cache, output,
@@ -515,14 +517,15 @@ def build(root: Path, out: Path) -> tuple[str, list[tuple[str, str, int, int]]]:
         put(f"{pkg}/__init__.py", "")
     put("vllm/utils/import_utils.py", IMPORT_UTILS)
     put("vllm/utils/math_utils.py", MATH_UTILS)
-    msu = (root / MSU).read_text(encoding="utf-8")
-    cuts.log.append(("vllm.utils.multi_stream_utils (whole file)", fingerprint_text(msu), 1,
-                     len(msu.splitlines())))
-    files["vllm/utils/multi_stream_utils.py"] = msu  # whole, verbatim
     put("vllm/compilation/breakable_cudagraph.py",
         BCG_HEAD + cuts.get(BCG, "eager_break_during_capture") + "\n\n"
         + cuts.get(BCG, "BreakableCUDAGraphCapture"))
-    put("vllm/v1/worker/ubatching.py", UBATCH_HEAD + cuts.get(UBATCH, "dbo_current_ubatch_id"))
+    put("vllm/utils/torch_utils.py", TORCH_UTILS)
+    for rel in (MSU, UBATCH):  # whole, verbatim
+        text = (root / rel).read_text(encoding="utf-8")
+        cuts.log.append((f"{rel[:-3].replace('/', '.')} (whole file)", fingerprint_text(text), 1,
+                         len(text.splitlines())))
+        files[rel] = text
     put("vllm/models/deepseek_v4/common/__init__.py", "")
     put("vllm/models/deepseek_v4/common/ops/__init__.py", COMMON_OPS)
     put("vllm/models/deepseek_v4/nvidia/ops/sparse_attn_compress_cutedsl.py", CUTEDSL)

@@ -52,6 +52,23 @@ SLOW: dict[str, int] = {"cycles": 0}
 _MEASURE: list[Callable[[], Any]] = []
 
 
+# Adversarial micro-batch interleaving: when on, a micro-batch thread also
+# hands over to the other just before the output projection reads the
+# attention output (vLLM's hand-over points are the MoE all-to-all only), so
+# the other micro-batch runs a whole attention layer while this one's output
+# is still to be read. The only point inside the layer where vLLM's own
+# layer stays correct: before it, the layer's events and the model-wide
+# top-k buffer are shared by the micro-batches.
+YIELD_BEFORE_O_PROJ: dict[str, bool] = {"on": False}
+
+
+def maybe_yield_before_o_proj() -> None:
+    if YIELD_BEFORE_O_PROJ["on"]:
+        from vllm.v1.worker.ubatching import dbo_yield
+
+        dbo_yield()
+
+
 @contextlib.contextmanager
 def kernel_region() -> Iterator[None]:
     """Marks a stand-in *kernel* body (its temporaries are not the layer's)."""
@@ -306,7 +323,7 @@ def local_to_global(local: torch.Tensor, token_to_req: torch.Tensor, block_table
         indexer_ops.local_to_global(local, token_to_req[: local.shape[0]], block_table,
                                     block_size,
                                     out_indices=out_indices, out_lens=out_lens,
-                                    is_valid_token=is_valid)
+                                    is_valid_token=is_valid, check_slot_range=False)
 
 
 def compute_global_topk_indices_and_lens(topk_indices: torch.Tensor,

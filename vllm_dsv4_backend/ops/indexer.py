@@ -620,6 +620,7 @@ def local_to_global(
     out_lens: torch.Tensor | None = None,
     *,
     is_valid_token: torch.Tensor | None = None,
+    check_slot_range: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Map local compressed indices to global cache slots, count valid entries.
 
@@ -642,6 +643,10 @@ def local_to_global(
             allowed: the mapping is computed before writing).
         out_lens: optional ``[T]`` int32 buffer.
         is_valid_token: optional ``[T]`` bool.
+        check_slot_range: refuse a slot id beyond int32 (reads the ids on the
+            host); ``False`` keeps the op free of host syncs, as a CUDA-graph
+            capture needs (the kernel the graph harness stands in for has no
+            such check either).
 
     Returns:
         ``(global_indices [T, K] int32, lens [T] int32)``.
@@ -686,7 +691,8 @@ def local_to_global(
         blocks = block_table[rows, col.clamp_(max=max_blocks - 1)].long()
         ok &= blocks >= 0
         slots = blocks.mul_(block_size).add_(safe % block_size).masked_fill_(~ok, -1)
-        check_int32_slots(where, slots, block_size)
+        if check_slot_range:
+            check_int32_slots(where, slots, block_size)
         out_indices.copy_(slots)
     lens = valid.sum(dim=1)
     if is_valid_token is not None:

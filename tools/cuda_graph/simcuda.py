@@ -1,0 +1,632 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""An emulated CUDA runtime on CPU tensors: streams, events, graphs.
+
+``SimCuda.install()`` replaces the ``torch.cuda`` names vLLM's cut bodies,
+the plugin's ``GraphSafeCudaStreamBackend`` and the harness call
+(``Stream``, ``Event``, ``current_stream``, ``stream``, ``set_stream``,
+``synchronize``, ``CUDAGraph``, ``graph``, ``graph_pool_handle``,
+``is_current_stream_capturing``, ``_sleep``; and ``torch.Event`` for vLLM's
+ubatching) and activates a ``TorchDispatchMode`` that turns every aten op
+into a *launch* on the calling thread's current stream. So vLLM's own
+fork / join / parallel-branch / ``add_eager`` / capture code runs on CPU
+exactly as it is written for a GPU.
+
+CUDA's semantics, kept here:
+
+* a stream is a FIFO queue; ``record(event, s)`` marks the tail of ``s``;
+  ``s2.wait_event(event)`` orders everything enqueued on ``s2`` afterwards
+  after the latest record *at the time of the call* (a never-recorded event
+  is a no-op); nothing else orders two streams;
+* a stream is *capturing* when a graph capture began on it, or when it
+  waited on an event recorded on a capturing stream (the fork into a
+  capture); its launches, records and waits go into the graph and do not
+  run; a captured wait on an event recorded outside the capture, a host
+  sync while capturing and a capture that ends with a forked stream not
+  joined back raise :class:`SimCudaError` (CUDA refuses all three);
+* ``replay()`` enqueues the captured work on the current stream, the
+  captured side streams becoming fresh streams ordered after everything
+  enqueued before the replay and joined before anything after it; outputs
+  of captured ops live in the storages allocated at capture (the graph's
+  pool): replay re-executes each op into them with no Python of the
+  captured region;
+* at capture, captured ops do not execute: their outputs are allocated
+  from their meta shapes and floats are NaN, as a graph's buffers hold no
+  computed value until the first replay.
+
+Execution policy (``policy``): ``"program"`` runs each launch as it is
+enqueued (a legal order: the order the host issued it); ``"lazy"`` runs
+work on side streams only when something must wait for it (an event wait
+that names it, a synchronisation, a host read), which is the latest order
+CUDA allows and turns a missing fence into wrong bits; ``"random"`` drains
+random side-stream prefixes at each launch (``seed``). Every launch, record
+and wait is also reported to ``observer`` (the race detector) in issue
+order, with the stream it was enqueued on, the way CUDA's sanitizer sees a
+GPU trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import random
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = ["SimCuda", "SimCudaError", "SimEvent", "SimGraph", "SimStream"]
+
+# Ops that read device memory on the host: a synchronisation (illegal in a capture).
+HOST_SYNC_OPS = frozenset({"_local_scalar_dense", "is_nonzero", "nonzero", "equal", "item",
+                           "_assert_async", "masked_select", "unique", "_unique2"})
+# Allocations without a kernel (the detector's NO_KERNEL).
+_NO_KERNEL_FACTORIES = frozenset({"empty", "empty_strided", "empty_like", "new_empty",
+                                  "new_empty_strided"})
+
+
+class SimCudaError(RuntimeError):
+    """What CUDA would refuse (capture isolation, unjoined capture, sync in capture)."""
+
+
+class _Token:
+    """One event record: a point in one stream's queue."""
+
+    __slots__ = ("id", "stream", "done", "graph")
+    _ids = itertools.count(1)
+
+    def __init__(self, stream: SimStream, graph: SimGraph | None) -> None:
+        self.id = next(self._ids)
+        self.stream = stream
+        self.done = False
+        self.graph = graph
+
+
+class SimStream:
+    """A stream: a FIFO of pending launches, records and waits."""
+
+    def __init__(self, rt: SimCuda, name: str) -> None:
+        self.rt = rt
+        self.name = name
+        self.cuda_stream = next(rt._stream_ids)
+        self.device_index = 0
+        self.device = torch.device("cuda", 0)
+        self.priority = 0
+        self.queue: deque[tuple[str, Any]] = deque()
+        rt.streams.append(self)
+        rt._observe("stream_created", self)
+
+    def wait_event(self, event: SimEvent) -> None:
+        event.wait(self)
+
+    def wait_stream(self, stream: SimStream) -> None:
+        ev = SimEvent()
+        ev.record(stream)
+        ev.wait(self)
+
+    def record_event(self, event: SimEvent | None = None) -> SimEvent:
+        event = event if event is not None else SimEvent()
+        event.record(self)
+        return event
+
+    def synchronize(self) -> None:
+        self.rt.sync_stream(self)
+
+    def query(self) -> bool:
+        return not self.queue
+
+    def __enter__(self) -> SimStream:
+        self._ctx = self.rt.stream_ctx(self)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._ctx.__exit__(*exc)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SimStream) and other.cuda_stream == self.cuda_stream
+
+    def __hash__(self) -> int:
+        return hash(("SimStream", self.cuda_stream))
+
+    def __repr__(self) -> str:
+        return f"SimStream({self.name})"
+
+
+class SimEvent:
+    """``torch.cuda.Event`` / ``torch.Event``: ordering only (no timing)."""
+
+    rt: SimCuda | None = None  # set by install()
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False,
+                 interprocess: bool = False, **_: Any) -> None:
+        self.token: _Token | None = None
+
+    def record(self, stream: SimStream | None = None) -> None:
+        rt = SimEvent.rt
+        assert rt is not None, "SimEvent outside SimCuda.install()"
+        self.token = rt.enqueue_record(stream if stream is not None else rt.current_stream())
+
+    def wait(self, stream: SimStream | None = None) -> None:
+        rt = SimEvent.rt
+        assert rt is not None, "SimEvent outside SimCuda.install()"
+        if self.token is not None:  # CUDA: waiting on a never-recorded event is a no-op
+            rt.enqueue_wait(stream if stream is not None else rt.current_stream(), self.token)
+
+    def synchronize(self) -> None:
+        if self.token is not None and SimEvent.rt is not None:
+            SimEvent.rt.drain_to(self.token)
+
+    def query(self) -> bool:
+        return self.token is None or self.token.done
+
+    def elapsed_time(self, other: SimEvent) -> float:
+        return 0.0
+
+
+class _Launch:
+    """One aten op as a kernel: ``func(*args)`` into ``outputs`` (or in place)."""
+
+    __slots__ = ("func", "args", "kwargs", "outputs", "inplace")
+
+    def __init__(self, func: Any, args: Any, kwargs: Any, outputs: Any, inplace: bool) -> None:
+        self.func, self.args, self.kwargs = func, args, kwargs
+        self.outputs, self.inplace = outputs, inplace
+
+    def run(self) -> None:
+        with _disable_current_modes():
+            res = self.func(*self.args, **self.kwargs)
+            if not self.inplace:
+                for dst, src in zip(tree_flatten(self.outputs)[0], tree_flatten(res)[0]):
+                    if isinstance(dst, torch.Tensor) and dst is not src:
+                        dst.copy_(src)
+
+    def __repr__(self) -> str:
+        return f"launch({self.func})"
+
+
+class SimGraph:
+    """``torch.cuda.CUDAGraph``: captured launches, records and waits."""
+
+    rt: SimCuda | None = None
+    _ids = itertools.count()
+
+    def __init__(self, keep_graph: bool = False) -> None:
+        self.id = next(self._ids)
+        self.entries: list[tuple[SimStream, str, Any]] = []
+        self.streams: list[SimStream] = []
+        self.origin: SimStream | None = None
+        self.replays = 0
+        self.replay_streams: dict[int, SimStream] = {}
+
+    def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
+        rt = SimGraph.rt
+        assert rt is not None
+        rt.begin_capture(self, rt.current_stream())
+
+    def capture_end(self) -> None:
+        rt = SimGraph.rt
+        assert rt is not None
+        rt.end_capture(self)
+
+    def replay(self) -> None:
+        rt = SimGraph.rt
+        assert rt is not None
+        rt.replay(self)
+
+    def reset(self) -> None:
+        self.entries.clear()
+
+    def pool(self) -> Any:
+        return ("pool", self.id)
+
+    @property
+    def num_launches(self) -> int:
+        return sum(1 for _, kind, _ in self.entries if kind == "op")
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, rt: SimCuda) -> None:
+        super().__init__()
+        self.rt = rt
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        return self.rt.launch(func, args, kwargs or {})
+
+
+def _is_view(schema: Any) -> bool:
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def _writes(schema: Any) -> bool:
+    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
+def _to_meta(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    return x
+
+
+def _placeholder(m: Any) -> Any:
+    if not isinstance(m, torch.Tensor):
+        return m
+    with _disable_current_modes():
+        t = torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device="cpu")
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        else:
+            t.zero_()
+    return t
+
+
+class SimCuda:
+    """The emulated runtime (see the module docstring).
+
+    Args:
+        policy: ``"program"``, ``"lazy"`` or ``"random"``.
+        observer: receives ``(event, *args)`` for stream creation, records,
+            waits, launches and synchronisations (the race detector).
+        seed: for ``"random"``.
+    """
+
+    def __init__(self, policy: str = "program", observer: Callable[..., None] | None = None,
+                 seed: int = 0) -> None:
+        if policy not in ("program", "lazy", "random"):
+            raise ValueError(f"policy: expected program, lazy or random, got {policy!r}")
+        self.policy = policy
+        self.observer = observer
+        self.rng = random.Random(seed)
+        self._stream_ids = itertools.count(1)
+        self.streams: list[SimStream] = []
+        self._tls = threading.local()
+        self.default = SimStream(self, "default")
+        self._capture: dict[int, SimGraph] = {}  # stream id -> graph capturing on it
+        self.launches = 0
+        self.captured_launches = 0
+        self.replayed_launches = 0
+        self.host_syncs = 0
+
+    # --- streams ---------------------------------------------------------------------
+
+    def _observe(self, event: str, *args: Any) -> None:
+        if self.observer is not None:
+            self.observer(event, *args)
+
+    def current_stream(self, device: Any = None) -> SimStream:
+        return getattr(self._tls, "stream", None) or self.default
+
+    def set_stream(self, stream: SimStream | None) -> None:
+        self._tls.stream = stream
+
+    @contextlib.contextmanager
+    def stream_ctx(self, stream: SimStream | None) -> Iterator[SimStream | None]:
+        if stream is None:
+            yield None
+            return
+        prev = getattr(self._tls, "stream", None)
+        self._tls.stream = stream
+        try:
+            yield stream
+        finally:
+            self._tls.stream = prev
+
+    def _stream_class(self) -> type:
+        """``torch.cuda.Stream``: a class (vLLM's annotations write ``Stream | None``)."""
+        rt = self
+
+        class Stream(SimStream):
+            def __new__(cls, device: Any = None, priority: int = 0, **_: Any) -> SimStream:
+                return rt.new_stream()
+
+        return Stream
+
+    def new_stream(self, name: str | None = None) -> SimStream:
+        return SimStream(self, name or f"s{len(self.streams)}")
+
+    def capturing(self, stream: SimStream | None = None) -> bool:
+        s = stream if stream is not None else self.current_stream()
+        return s.cuda_stream in self._capture
+
+    # --- enqueue ---------------------------------------------------------------------
+
+    def enqueue_record(self, stream: SimStream) -> _Token:
+        graph = self._capture.get(stream.cuda_stream)
+        tok = _Token(stream, graph)
+        if graph is None:  # captured work is observed when it is replayed
+            self._observe("record", tok.id, stream)
+        if graph is not None:
+            graph.entries.append((stream, "rec", tok))
+        else:
+            stream.queue.append(("rec", tok))
+            self._settle(stream)
+        return tok
+
+    def enqueue_wait(self, stream: SimStream, tok: _Token) -> None:
+        graph = self._capture.get(stream.cuda_stream)
+        if tok.graph is not None and graph is None:
+            if tok.graph.origin is not None and tok.graph in self._capture.values():
+                # The fork into a capture: the waiting stream joins it.
+                graph = tok.graph
+                self._capture[stream.cuda_stream] = graph
+                graph.streams.append(stream)
+            else:
+                raise SimCudaError(f"{stream.name} waits on an event recorded in a finished "
+                                   "capture outside any capture")
+        elif graph is not None and tok.graph is not graph:
+            raise SimCudaError(
+                f"captured wait on {stream.name} for an event recorded outside the capture "
+                f"(on {tok.stream.name}): CUDA refuses a cross-capture dependency")
+        if graph is not None:
+            graph.entries.append((stream, "wait", tok))
+            return
+        self._observe("wait", tok.id, stream)
+        stream.queue.append(("wait", tok))
+        self._settle(stream)
+
+    def launch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """One aten op issued on the current stream (the dispatch mode's body)."""
+        stream = self.current_stream()
+        schema = func._schema
+        name = func.overloadpacket.__name__
+        if func is torch.ops.aten.record_stream.default:
+            return None
+        graph = self._capture.get(stream.cuda_stream)
+        if name in HOST_SYNC_OPS:
+            if graph is not None:
+                raise SimCudaError(f"host sync ({name}) on {stream.name} while it captures")
+            self.host_syncs += 1
+            self._observe("sync_stream", stream)
+            self.drain_all()
+            with _disable_current_modes():
+                out = func(*args, **kwargs)
+            self._observe("launch", stream, func, args, kwargs, out)
+            return out
+        if _is_view(schema):  # metadata only: no kernel
+            with _disable_current_modes():
+                return func(*args, **kwargs)
+        inplace = _writes(schema)
+        base = name.rstrip("_")
+        defer = graph is not None or (self.policy != "program" and stream is not self.default)
+        if inplace:
+            outputs = self._inplace_result(schema, args, kwargs)
+            if outputs is None:
+                raise SimCudaError(f"{name}: cannot tell what the in-place op returns")
+        elif not defer or base in _NO_KERNEL_FACTORIES:
+            with _disable_current_modes():
+                outputs = func(*args, **kwargs)
+            if base in _NO_KERNEL_FACTORIES:
+                self._observe("launch", stream, func, args, kwargs, outputs)
+                return outputs
+        else:
+            try:
+                meta = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
+                outputs = tree_map(_placeholder, meta)
+            except Exception:  # noqa: BLE001 - no meta kernel: run it now (a legal order)
+                if graph is not None:
+                    raise
+                self.drain_all()
+                with _disable_current_modes():
+                    outputs = func(*args, **kwargs)
+                self._observe("launch", stream, func, args, kwargs, outputs)
+                return outputs
+        job = _Launch(func, args, kwargs, outputs, inplace)
+        if graph is not None:
+            graph.entries.append((stream, "op", job))
+            self.captured_launches += 1
+            return outputs
+        self._observe("launch", stream, func, args, kwargs, outputs)
+        self.launches += 1
+        if not inplace and not defer:
+            return outputs  # ran above, in issue order
+        stream.queue.append(("op", job))
+        self._settle(stream)
+        return outputs
+
+    @staticmethod
+    def _inplace_result(schema: Any, args: tuple, kwargs: dict) -> Any:
+        """What an in-place / ``out=`` op returns: its written arguments."""
+        written = []
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                v = args[i] if i < len(args) else kwargs.get(a.name)
+                written.append(v)
+        if not schema.returns:
+            return ()
+        if len(schema.returns) == 1:
+            return written[0] if len(written) == 1 else written[-1] if written else None
+        return tuple(written) if len(written) == len(schema.returns) else None
+
+    # --- execution -------------------------------------------------------------------
+
+    def _settle(self, stream: SimStream) -> None:
+        """Run what the policy runs now (after an enqueue on ``stream``)."""
+        if self.policy == "program" or stream is self.default:
+            self._drain(stream)
+        if self.policy == "random":
+            for s in list(self.streams):
+                if s.queue and self.rng.random() < 0.3:
+                    self._drain(s, limit=self.rng.randint(1, 8))
+
+    def _drain(self, stream: SimStream, limit: int | None = None,
+               upto: _Token | None = None) -> None:
+        q = stream.queue
+        n = 0
+        while q and (limit is None or n < limit):
+            kind, item = q[0]
+            if kind == "wait":
+                if not item.done:
+                    self._drain(item.stream, upto=item)
+                    if not item.done:
+                        raise SimCudaError(f"{stream.name} waits on a record that never runs")
+            elif kind == "rec":
+                item.done = True
+            else:
+                item.run()
+            q.popleft()
+            n += 1
+            if upto is not None and kind == "rec" and item is upto:
+                return
+
+    def drain_to(self, tok: _Token) -> None:
+        if not tok.done:
+            self._drain(tok.stream, upto=tok)
+
+    def drain_all(self) -> None:
+        for _ in range(len(self.streams) + 1):
+            for s in list(self.streams):
+                if s.queue:
+                    self._drain(s)
+            if not any(s.queue for s in self.streams):
+                return
+
+    def sync_stream(self, stream: SimStream) -> None:
+        self._drain(stream)
+        self._observe("sync_stream", stream)
+
+    def synchronize(self, device: Any = None) -> None:
+        if self._capture:
+            raise SimCudaError("synchronize() while a stream captures")
+        self.drain_all()
+        self._observe("sync_all")
+
+    # --- graphs ----------------------------------------------------------------------
+
+    def begin_capture(self, graph: SimGraph, stream: SimStream) -> None:
+        if stream.cuda_stream in self._capture:
+            raise SimCudaError(f"{stream.name} is already capturing")
+        if stream is self.default:
+            raise SimCudaError("capture on the default (legacy) stream is not permitted")
+        self.drain_all()  # a capture starts after the stream's earlier work
+        graph.origin = stream
+        graph.streams = [stream]
+        graph.entries.clear()
+        self._capture[stream.cuda_stream] = graph
+
+    def end_capture(self, graph: SimGraph) -> None:
+        origin = graph.origin
+        assert origin is not None
+        # Every forked stream must be joined back into the origin (vector clocks).
+        clock: dict[int, dict[int, int]] = {s.cuda_stream: {} for s in graph.streams}
+        pos: dict[int, int] = dict.fromkeys(clock, 0)
+        snap: dict[int, dict[int, int]] = {}
+        for s, kind, item in graph.entries:
+            k = s.cuda_stream
+            pos[k] += 1
+            clock[k][k] = pos[k]
+            if kind == "rec":
+                snap[item.id] = dict(clock[k])
+            elif kind == "wait":
+                for kk, v in snap.get(item.id, {}).items():
+                    if clock[k].get(kk, 0) < v:
+                        clock[k][kk] = v
+        for s in graph.streams:
+            del self._capture[s.cuda_stream]
+        unjoined = [s.name for s in graph.streams if s is not origin
+                    and clock[origin.cuda_stream].get(s.cuda_stream, 0) < pos[s.cuda_stream]]
+        if unjoined:
+            raise SimCudaError(f"capture ended with {unjoined} not joined into {origin.name} "
+                               "(cudaErrorStreamCaptureUnjoined)")
+
+    def replay(self, graph: SimGraph) -> None:
+        here = self.current_stream()
+        if self.capturing(here):
+            raise SimCudaError("replay() inside a capture")
+        graph.replays += 1
+        start = self.enqueue_record(here)
+        side: dict[int, SimStream] = {}
+        tokens: dict[int, _Token] = {}
+        assert graph.origin is not None
+        # The graph's own streams (made once): ordered after this stream's earlier
+        # work, joined back below.
+        own = graph.replay_streams
+        for s in graph.streams:
+            if s is graph.origin:
+                side[s.cuda_stream] = here
+            else:
+                if s.cuda_stream not in own:
+                    own[s.cuda_stream] = SimStream(self, f"{s.name}@graph{graph.id}")
+                v = side[s.cuda_stream] = own[s.cuda_stream]
+                self.enqueue_wait(v, start)
+        for s, kind, item in graph.entries:
+            target = side[s.cuda_stream]
+            if kind == "rec":
+                tokens[item.id] = self.enqueue_record(target)
+            elif kind == "wait":
+                self.enqueue_wait(target, tokens[item.id])
+            else:
+                job = _Launch(item.func, item.args, item.kwargs, item.outputs, item.inplace)
+                self._observe("launch", target, job.func, job.args, job.kwargs, job.outputs)
+                self.replayed_launches += 1
+                target.queue.append(("op", job))
+                self._settle(target)
+        for v in side.values():
+            if v is not here:
+                self.enqueue_wait(here, self.enqueue_record(v))
+
+    # --- installation ----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def graph_ctx(self, graph: SimGraph, pool: Any = None, stream: SimStream | None = None,
+                  capture_error_mode: str = "global") -> Iterator[SimGraph]:
+        self.synchronize()
+        s = stream if stream is not None else SimStream(self, f"graph{graph.id}")
+        with self.stream_ctx(s):
+            graph.capture_begin(pool=pool)
+            try:
+                yield graph
+            finally:
+                graph.capture_end()
+
+    @contextlib.contextmanager
+    def install(self) -> Iterator[SimCuda]:
+        """Patch ``torch.cuda`` / ``torch.Event`` and dispatch every op here (this
+        thread; other threads call :meth:`activate`)."""
+        cuda = torch.cuda
+        names = {
+            "Stream": self._stream_class(),
+            "Event": SimEvent,
+            "current_stream": self.current_stream,
+            "default_stream": lambda device=None: self.default,
+            "set_stream": self.set_stream,
+            "stream": self.stream_ctx,
+            "synchronize": self.synchronize,
+            "CUDAGraph": SimGraph,
+            "graph": self.graph_ctx,
+            "graph_pool_handle": lambda: ("pool", "sim"),
+            "is_current_stream_capturing": lambda: self.capturing(),
+            "_sleep": lambda cycles: None,
+            "current_device": lambda: 0,
+        }
+        saved = {k: cuda.__dict__.get(k, _MISSING) for k in names}
+        saved_event = torch.Event
+        SimEvent.rt = SimGraph.rt = self
+        for k, v in names.items():
+            setattr(cuda, k, v)
+        torch.Event = SimEvent  # type: ignore[misc, assignment]
+        try:
+            with self.activate():
+                yield self
+            if not self._capture:
+                self.drain_all()
+        finally:
+            for k, v in saved.items():
+                if v is _MISSING:
+                    delattr(cuda, k)
+                else:
+                    setattr(cuda, k, v)
+            torch.Event = saved_event  # type: ignore[misc]
+            SimEvent.rt = SimGraph.rt = None
+
+    @contextlib.contextmanager
+    def activate(self) -> Iterator[None]:
+        """This thread's aten ops become launches (dispatch modes are per thread)."""
+        with _Mode(self):
+            yield
+
+
+_MISSING = object()

@@ -1,0 +1,194 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Lifetime, aliasing and ordering mutants of the CUDA layer and the workspace.
+
+Each mutant is one small edit (``old`` -> ``new``, ``old`` found exactly
+once in ``path``) that reintroduces a bug of the class #49236's pool was
+reverted for (#52836), or one next to it. ``tools/mutants/run.py`` applies
+each to a copy of the repository and runs the checks until one fails (the
+mutant is *killed*); ``hint`` names the check expected to kill it, tried
+first to keep the run short (the rest follow if it does not).
+
+Checks (see ``run.py``): ``harness:<mode>`` (one harness mode, plugin layer,
+``--fail-fast``), ``control:<name>`` (one negative control, which must still
+pass: a mutant that breaks the fences makes the fenced run corrupt),
+``pytest:<path>`` (in the vLLM 0.34 venv for ``tests/cuda``, else ``.venv``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+LAYER = "vllm_dsv4_backend/layer/cuda.py"
+KERNELS = "vllm_dsv4_backend/layer/cuda_kernels.py"
+CORE = "vllm_dsv4_backend/layer/core.py"
+MANAGER = "vllm_dsv4_backend/workspace/manager.py"
+EAGER = "vllm_dsv4_backend/eager.py"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    bug_class: str
+    path: str
+    old: str
+    new: str
+    hint: str
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        "indexer-q-no-consumer-stream",
+        "a lease's consumer stream never declared (used_on dropped): the next producer "
+        "on the aux stream is not fenced behind the default stream's read",
+        LAYER,
+        "        home = owner._dsv4_home_stream()\n"
+        "        if home is not None:\n"
+        "            lease.used_on(home)\n",
+        "        home = owner._dsv4_home_stream()\n",
+        "pytest:tests/cuda/test_layer_streams.py",
+    ),
+    Mutant(
+        "topk-released-before-flashmla",
+        "release before the last consumer: the top-k lease goes back before FlashMLA "
+        "reads the global indices",
+        LAYER,
+        "                            is_valid,\n"
+        "                        )\n"
+        "                    else:\n",
+        "                            is_valid,\n"
+        "                        )\n"
+        "                        stack.close()\n"
+        "                    else:\n",
+        "harness:sim-eager-debug",
+    ),
+    Mutant(
+        "indexer-q-released-before-indexer",
+        "release before the last consumer, across streams: the index q (produced on "
+        "aux0) goes back before the indexer on the default stream reads it",
+        LAYER,
+        "            q_quant = (index_q, index_q_scale) if index_q_scale is not None "
+        "else index_q\n",
+        "            q_quant = (index_q, index_q_scale) if index_q_scale is not None "
+        "else index_q\n"
+        "            _step = self._dsv4_current_step()\n"
+        "            if _step is not None:\n"
+        "                _step.release(\"indexer_q\")\n",
+        "harness:sim-eager-debug",
+    ),
+    Mutant(
+        "wrong-micro-batch-slot",
+        "micro-batch 1 given micro-batch 0's slots (the step holder ignores the ubatch id)",
+        CORE,
+        "        return ubatch_id() if self._lookup else 0\n",
+        "        return 0\n",
+        "harness:sim-eager-yield",
+    ),
+    Mutant(
+        "topk-leased-on-forward-step",
+        "a lease taken on a different step at capture than at replay: the eager break's "
+        "top-k leased from the forward's step, which is gone at piecewise replay",
+        LAYER,
+        "                        step = stack.enter_context(\n"
+        "                            eager.Step(ws, self.prefix, num_decode_tokens, "
+        "core.ubatch_id())\n"
+        "                        )\n",
+        "                        step = self._dsv4_current_step()\n",
+        "harness:sim-piecewise",
+    ),
+    Mutant(
+        "no-fence",
+        "a missing fence: a slot's earlier users are forgotten before the next producer",
+        MANAGER,
+        "        last = slot.last_streams\n"
+        "        if not last:\n"
+        "            return\n",
+        "        last = ()\n"
+        "        if not last:\n"
+        "            return\n",
+        "control:no_fence",
+    ),
+    Mutant(
+        "fence-on-producer-stream",
+        "a fence on the producer's stream only: the event is recorded where the next "
+        "producer runs, not after the earlier user",
+        MANAGER,
+        "            backend.record(ev, s)\n",
+        "            backend.record(ev, stream)\n",
+        "control:no_fence",
+    ),
+    Mutant(
+        "graph-safe-keeps-cross-capture-fence",
+        "a captured wait on an event recorded outside the capture (CUDA refuses it: "
+        "capture isolation)",
+        KERNELS,
+        "        if _is_capturing(stream) != _is_capturing(src):\n",
+        "        if False:\n",
+        "harness:sim-piecewise-gemm0",
+    ),
+    Mutant(
+        "graph-safe-drops-every-fence",
+        "every fence dropped, in a capture and out of one",
+        KERNELS,
+        "        if _is_capturing(stream) != _is_capturing(src):\n",
+        "        if True:\n",
+        "control:no_fence",
+    ),
+    Mutant(
+        "indexer-q-aliased",
+        "two families carved from the same bytes (the index q of both micro-batches on "
+        "the attention output's bytes): #49236's families, disjoint use windows in "
+        "program order",
+        MANAGER,
+        "            off = s.offset\n",
+        "            off = 0 if s.family == \"indexer_q\" else s.offset\n",
+        "harness:sim-eager-debug",
+    ),
+    Mutant(
+        "stale-attention-out-view",
+        "a stale view: the attention output's first lease view kept and reused by every "
+        "later call (micro-batch 1 writes micro-batch 0's bytes, no lease taken)",
+        LAYER,
+        "        return step.lease(\"q\")[\"out\"]\n",
+        "        out = step.lease(\"q\")[\"out\"]\n"
+        "        return self.__dict__.setdefault(\"_stale_out\", out)\n",
+        "harness:sim-eager-yield",
+    ),
+    Mutant(
+        "short-view",
+        "a wrong-length view: one token fewer than the lease was asked for",
+        MANAGER,
+        "            n = spec.nbytes(num_tokens)\n",
+        "            n = spec.nbytes(max(num_tokens - 1, 0))\n",
+        "harness:sim-eager",
+    ),
+    Mutant(
+        "double-release",
+        "a double release: Step.release leaves the lease in the step, close() releases "
+        "it again",
+        EAGER,
+        "        lease = self._leases.pop(family, None)\n",
+        "        lease = self._leases.get(family)\n",
+        "harness:sim-eager",
+    ),
+    Mutant(
+        "compressor-scratch-released-before-store",
+        "release before the last consumer on one stream: the C128 scratch goes back "
+        "between the compress kernel and the store kernel that reads it",
+        LAYER,
+        "        kernels.c128_store(\n",
+        "        step.release(\"compressor\")\n"
+        "        kernels.c128_store(\n",
+        "harness:sim-eager-debug",
+    ),
+    Mutant(
+        "eager-break-undecorated",
+        "the eager break no longer decorated: at piecewise replay the top-k is captured "
+        "with frozen addresses and no Python runs",
+        LAYER,
+        "    @eager_break_during_capture\n"
+        "    def _sparse_indexer_and_attn(\n",
+        "    def _sparse_indexer_and_attn(\n",
+        "pytest:tests/cuda/test_structure.py",
+    ),
+)

@@ -1,0 +1,174 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Mutation runner: every mutant of ``mutants.py`` must be killed.
+
+    .venv/bin/python tools/mutants/run.py [--only NAME,...] [--json FILE] [--full]
+
+For each mutant: copy the package, ``tools/`` and ``tests/`` into a
+temporary folder, apply the one edit there (the working tree is never
+touched), then run checks until one fails: the mutant's ``hint`` first,
+then (with ``--full``, or when the hint does not kill it) every check in
+``CHECKS``. Each check imports the copy (``PYTHONPATH``; checked). Prints
+one line per mutant and the mutation score; exit 1 unless every mutant is
+killed, 2 when the environment is missing (the vLLM 0.34 venv for the
+stub and ``tests/cuda``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from mutants import MUTANTS, Mutant
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_PY = REPO / ".venv" / "bin" / "python"
+CUDA_VENV = REPO / ".venv-vllm034"
+TIMEOUT = 600
+# The full list, cheapest first; the hint of each mutant runs before these.
+CHECKS = (
+    "pytest:tests/cuda/test_structure.py",
+    "pytest:tests/cuda/test_layer_streams.py",
+    "harness:sim-eager",
+    "harness:sim-eager-debug",
+    "harness:sim-eager-yield",
+    "harness:sim-piecewise",
+    "harness:sim-piecewise-gemm0",
+    "harness:sim-full",
+    "control:no_fence",
+    "pytest:tests/core/test_workspace.py",
+    "pytest:tests/core/test_stream_schedule.py",
+)
+
+
+def _copy(dst: Path) -> None:
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "data")
+    for d in ("vllm_dsv4_backend", "tools", "tests"):
+        shutil.copytree(REPO / d, dst / d, ignore=ignore)
+    (dst / "tests" / "data").mkdir(exist_ok=True)
+
+
+def apply(m: Mutant, root: Path) -> None:
+    p = root / m.path
+    text = p.read_text()
+    n = text.count(m.old)
+    if n != 1:
+        raise SystemExit(f"mutant {m.name}: expected its text once in {m.path}, found {n}")
+    p.write_text(text.replace(m.old, m.new))
+
+
+def _run(cmd: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str]:
+    try:
+        p = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True,
+                           timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return 124, "timed out"
+    return p.returncode, (p.stdout + p.stderr)[-2000:]
+
+
+def check(kind: str, root: Path, stub: Path) -> tuple[bool, str]:
+    """True when ``kind`` fails on the copy at ``root`` (the mutant is killed)."""
+    what, _, arg = kind.partition(":")
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    env.pop("VLLM_DSV4_TEST_UNSAFE_NO_FENCES", None)
+    if what == "pytest":
+        py = CUDA_VENV / "bin" / "python" if arg.startswith("tests/cuda") else VENV_PY
+        env["PYTHONPATH"] = str(root)
+        cmd = [str(py), "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", arg]
+    else:
+        env["PYTHONPATH"] = f"{stub}{os.pathsep}{root}"
+        cmd = [str(VENV_PY), str(root / "tools" / "cuda_graph" / "harness.py"), "--steps", "2",
+               "--impls", "plugin", "--fail-fast"]
+        if what == "harness":
+            cmd += ["--modes", arg, "--controls", ""]
+        else:
+            cmd += ["--modes", "eager", "--controls", arg]
+    rc, tail = _run(cmd, env, root)
+    return rc != 0, tail
+
+
+def _imports_copy(root: Path, stub: Path) -> None:
+    """Each interpreter must import the package from the copy, not the checkout."""
+    for py, path in ((VENV_PY, f"{stub}{os.pathsep}{root}"),
+                     (CUDA_VENV / "bin" / "python", str(root))):
+        env = dict(os.environ, PYTHONPATH=path)
+        out = subprocess.run([str(py), "-c", "import vllm_dsv4_backend as p; print(p.__file__)"],
+                             env=env, capture_output=True, text=True, cwd=root)
+        if not out.stdout.strip().startswith(str(root)):
+            raise SystemExit(f"mutants: {py} imports {out.stdout.strip() or out.stderr[-300:]},"
+                             f" not the copy under {root}")
+
+
+def build_stub(tmp: Path) -> Path:
+    where = ("import importlib.util, os; "
+             "print(os.path.dirname(importlib.util.find_spec('vllm').origin))")
+    src = subprocess.run([str(CUDA_VENV / "bin" / "python"), "-c", where], capture_output=True,
+                         text=True, env=dict(os.environ, PYTHONPATH=""))
+    stub = tmp / "stub"
+    subprocess.run([str(VENV_PY), str(REPO / "tools" / "cuda_graph" / "build_stub.py"),
+                    "--vllm-src", src.stdout.strip(), "--out", str(stub)], check=True,
+                   capture_output=True)
+    return stub
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", help="comma-separated mutant names")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--full", action="store_true",
+                    help="run every check for every mutant (which checks kill which)")
+    args = ap.parse_args(argv)
+    if not (CUDA_VENV / "bin" / "python").exists() or not VENV_PY.exists():
+        print("mutants: needs .venv and .venv-vllm034 (bash scripts/setup_vllm_cuda.sh 0.34)")
+        return 2
+    chosen = [m for m in MUTANTS if not args.only or m.name in args.only.split(",")]
+    results = []
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="dsv4-mutants-") as tmp_s:
+        tmp = Path(tmp_s)
+        stub = build_stub(tmp)
+        for m in chosen:
+            root = tmp / m.name
+            _copy(root)
+            apply(m, root)
+            if not results:
+                _imports_copy(root, stub)
+            order = [m.hint] + [c for c in CHECKS if c != m.hint]
+            killed_by: list[str] = []
+            tail = ""
+            t = time.time()
+            for c in order:
+                killed, out = check(c, root, stub)
+                if killed:
+                    killed_by.append(c)
+                    tail = out
+                    if not args.full:
+                        break
+                elif c == m.hint:
+                    tail = f"(hint {c} did not kill it)"
+            results.append({"mutant": m.name, "bug_class": m.bug_class, "file": m.path,
+                            "killed": bool(killed_by), "killed_by": killed_by,
+                            "seconds": round(time.time() - t, 1),
+                            "evidence": tail[-600:]})
+            print(f"[mutant] {m.name:42s} {'KILLED' if killed_by else 'SURVIVED'} "
+                  f"by {', '.join(killed_by) or '-'} ({results[-1]['seconds']} s)", flush=True)
+            shutil.rmtree(root, ignore_errors=True)
+    killed = sum(r["killed"] for r in results)
+    score = 100.0 * killed / len(results) if results else 0.0
+    print(f"mutation score: {killed}/{len(results)} killed ({score:.0f} %) in "
+          f"{time.time() - t0:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"score": score, "killed": killed,
+                                               "mutants": results}, indent=1))
+    return 0 if killed == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
