@@ -180,11 +180,10 @@ def _imports_worker(mode: str, out_path: str) -> None:
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
+    # vllm_dsv4_backend.layer imports no vLLM: in place before the model's import.
+    _inject(mode, ["attention_layer"], changed, elsewhere=True)
     import_errors = {}
-    for i, module in enumerate(_target_modules()):
-        if i == 0:
-            # vllm_dsv4_backend.layer imports no vLLM: in place before the model's import.
-            _inject(mode, ["attention_layer"], changed, elsewhere=True)
+    for module in _target_modules():
         try:
             importlib.import_module(module)
         except Exception as e:  # noqa: BLE001 - the report says which
