@@ -4,8 +4,9 @@
 # the whole suite (core, real-vLLM engine/server, lm_eval; GPU tests skip on CPU).
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh tests/core -k mxfp4`.
 # Without arguments it then runs tests/core again with `import vllm` blocked
-# (vllm_dsv4_backend/testing/no_vllm.py), the proof that core is torch-only;
-# the script fails if either run fails (the first run's exit code wins).
+# (vllm_dsv4_backend/testing/no_vllm.py), the proof that core is torch-only,
+# tests/cuda in the vLLM 0.33 and 0.34 venvs, and the lifetime mutation suite;
+# the script fails if any run fails (the first run's exit code wins).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -28,6 +29,12 @@ for minor in 0.33 0.34; do
   bash scripts/setup_vllm_cuda.sh "$minor" \
     && ".venv-vllm${minor/./}/bin/python" -m pytest -ra tests/cuda || cuda_rc=$?
 done
+# Lifetime mutants of the CUDA layer and the workspace (tools/mutants/mutants.py): each
+# applied to a copy of the tree, each must turn a check red; prints the mutation score.
+mut_rc=0
+echo "== lifetime mutants (tools/mutants/run.py)"
+.venv/bin/python tools/mutants/run.py || mut_rc=$?
 if [ "$rc" -ne 0 ]; then exit "$rc"; fi
 if [ "$core_rc" -ne 0 ]; then exit "$core_rc"; fi
-exit "$cuda_rc"
+if [ "$cuda_rc" -ne 0 ]; then exit "$cuda_rc"; fi
+exit "$mut_rc"

@@ -112,3 +112,27 @@ def test_indexer_q_mxfp4_dispatch(calls, monkeypatch: pytest.MonkeyPatch,
                  "weights_head_scale")
         assert args[:6] == tuple(c[k] for k in order)
         assert args[6:] == (q_packed, q_scale, c["weights_out"])
+
+
+def test_every_kernel_double_implements_the_layer_protocol() -> None:
+    """vLLM's kernel objects, the graph harness's stand-ins and the stream tests'
+    double are one interface (``layer.cuda_kernels.CudaKernels``): a method the
+    layer starts calling must exist on all three."""
+    import importlib.util
+    from pathlib import Path
+
+    from vllm_dsv4_backend.layer.cuda_kernels import CudaKernels
+
+    repo = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location(
+        "dsv4_harness_standins", repo / "tools" / "cuda_graph" / "standins.py")
+    assert spec is not None and spec.loader is not None
+    standins = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(standins)
+    import test_layer_streams
+
+    names = {n for n in dir(CudaKernels) if not n.startswith("_")}
+    for cls in (VllmCudaKernels, standins.HarnessKernels, test_layer_streams.TorchKernels):
+        assert names <= {n for n in dir(cls) if not n.startswith("_")}, cls
+    assert isinstance(VllmCudaKernels(), CudaKernels)
+    assert isinstance(standins.HarnessKernels(), CudaKernels)

@@ -18,21 +18,7 @@ CUDA's semantics, kept here:
   ``s2.wait_event(event)`` orders everything enqueued on ``s2`` afterwards
   after the latest record *at the time of the call* (a never-recorded event
   is a no-op); nothing else orders two streams;
-* a stream is *capturing* when a graph capture began on it, or when it
-  waited on an event recorded on a capturing stream (the fork into a
-  capture); its launches, records and waits go into the graph and do not
-  run; a captured wait on an event recorded outside the capture, a host
-  sync while capturing and a capture that ends with a forked stream not
-  joined back raise :class:`SimCudaError` (CUDA refuses all three);
-* ``replay()`` enqueues the captured work on the current stream, the
-  captured side streams becoming fresh streams ordered after everything
-  enqueued before the replay and joined before anything after it; outputs
-  of captured ops live in the storages allocated at capture (the graph's
-  pool): replay re-executes each op into them with no Python of the
-  captured region;
-* at capture, captured ops do not execute: their outputs are allocated
-  from their meta shapes and floats are NaN, as a graph's buffers hold no
-  computed value until the first replay.
+* graphs (capture, replay): :mod:`replay`.
 
 Execution policy (``policy``): ``"program"`` runs each launch as it is
 enqueued (a legal order: the order the host issued it); ``"lazy"`` runs
@@ -56,6 +42,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from replay import GraphRuntime, SimCudaError, SimGraph
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -67,10 +54,6 @@ HOST_SYNC_OPS = frozenset({"_local_scalar_dense", "is_nonzero", "nonzero", "equa
 # Allocations without a kernel (the detector's NO_KERNEL).
 _NO_KERNEL_FACTORIES = frozenset({"empty", "empty_strided", "empty_like", "new_empty",
                                   "new_empty_strided"})
-
-
-class SimCudaError(RuntimeError):
-    """What CUDA would refuse (capture isolation, unjoined capture, sync in capture)."""
 
 
 class _Token:
@@ -189,46 +172,6 @@ class _Launch:
         return f"launch({self.func})"
 
 
-class SimGraph:
-    """``torch.cuda.CUDAGraph``: captured launches, records and waits."""
-
-    rt: SimCuda | None = None
-    _ids = itertools.count()
-
-    def __init__(self, keep_graph: bool = False) -> None:
-        self.id = next(self._ids)
-        self.entries: list[tuple[SimStream, str, Any]] = []
-        self.streams: list[SimStream] = []
-        self.origin: SimStream | None = None
-        self.replays = 0
-        self.replay_streams: dict[int, SimStream] = {}
-
-    def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
-        rt = SimGraph.rt
-        assert rt is not None
-        rt.begin_capture(self, rt.current_stream())
-
-    def capture_end(self) -> None:
-        rt = SimGraph.rt
-        assert rt is not None
-        rt.end_capture(self)
-
-    def replay(self) -> None:
-        rt = SimGraph.rt
-        assert rt is not None
-        rt.replay(self)
-
-    def reset(self) -> None:
-        self.entries.clear()
-
-    def pool(self) -> Any:
-        return ("pool", self.id)
-
-    @property
-    def num_launches(self) -> int:
-        return sum(1 for _, kind, _ in self.entries if kind == "op")
-
-
 class _Mode(TorchDispatchMode):
     def __init__(self, rt: SimCuda) -> None:
         super().__init__()
@@ -264,7 +207,7 @@ def _placeholder(m: Any) -> Any:
     return t
 
 
-class SimCuda:
+class SimCuda(GraphRuntime):
     """The emulated runtime (see the module docstring).
 
     Args:
@@ -495,92 +438,6 @@ class SimCuda:
         self._observe("sync_all")
 
     # --- graphs ----------------------------------------------------------------------
-
-    def begin_capture(self, graph: SimGraph, stream: SimStream) -> None:
-        if stream.cuda_stream in self._capture:
-            raise SimCudaError(f"{stream.name} is already capturing")
-        if stream is self.default:
-            raise SimCudaError("capture on the default (legacy) stream is not permitted")
-        self.drain_all()  # a capture starts after the stream's earlier work
-        graph.origin = stream
-        graph.streams = [stream]
-        graph.entries.clear()
-        self._capture[stream.cuda_stream] = graph
-
-    def end_capture(self, graph: SimGraph) -> None:
-        origin = graph.origin
-        assert origin is not None
-        # Every forked stream must be joined back into the origin (vector clocks).
-        clock: dict[int, dict[int, int]] = {s.cuda_stream: {} for s in graph.streams}
-        pos: dict[int, int] = dict.fromkeys(clock, 0)
-        snap: dict[int, dict[int, int]] = {}
-        for s, kind, item in graph.entries:
-            k = s.cuda_stream
-            pos[k] += 1
-            clock[k][k] = pos[k]
-            if kind == "rec":
-                snap[item.id] = dict(clock[k])
-            elif kind == "wait":
-                for kk, v in snap.get(item.id, {}).items():
-                    if clock[k].get(kk, 0) < v:
-                        clock[k][kk] = v
-        for s in graph.streams:
-            del self._capture[s.cuda_stream]
-        unjoined = [s.name for s in graph.streams if s is not origin
-                    and clock[origin.cuda_stream].get(s.cuda_stream, 0) < pos[s.cuda_stream]]
-        if unjoined:
-            raise SimCudaError(f"capture ended with {unjoined} not joined into {origin.name} "
-                               "(cudaErrorStreamCaptureUnjoined)")
-
-    def replay(self, graph: SimGraph) -> None:
-        here = self.current_stream()
-        if self.capturing(here):
-            raise SimCudaError("replay() inside a capture")
-        graph.replays += 1
-        start = self.enqueue_record(here)
-        side: dict[int, SimStream] = {}
-        tokens: dict[int, _Token] = {}
-        assert graph.origin is not None
-        # The graph's own streams (made once): ordered after this stream's earlier
-        # work, joined back below.
-        own = graph.replay_streams
-        for s in graph.streams:
-            if s is graph.origin:
-                side[s.cuda_stream] = here
-            else:
-                if s.cuda_stream not in own:
-                    own[s.cuda_stream] = SimStream(self, f"{s.name}@graph{graph.id}")
-                v = side[s.cuda_stream] = own[s.cuda_stream]
-                self.enqueue_wait(v, start)
-        for s, kind, item in graph.entries:
-            target = side[s.cuda_stream]
-            if kind == "rec":
-                tokens[item.id] = self.enqueue_record(target)
-            elif kind == "wait":
-                self.enqueue_wait(target, tokens[item.id])
-            else:
-                job = _Launch(item.func, item.args, item.kwargs, item.outputs, item.inplace)
-                self._observe("launch", target, job.func, job.args, job.kwargs, job.outputs)
-                self.replayed_launches += 1
-                target.queue.append(("op", job))
-                self._settle(target)
-        for v in side.values():
-            if v is not here:
-                self.enqueue_wait(here, self.enqueue_record(v))
-
-    # --- installation ----------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def graph_ctx(self, graph: SimGraph, pool: Any = None, stream: SimStream | None = None,
-                  capture_error_mode: str = "global") -> Iterator[SimGraph]:
-        self.synchronize()
-        s = stream if stream is not None else SimStream(self, f"graph{graph.id}")
-        with self.stream_ctx(s):
-            graph.capture_begin(pool=pool)
-            try:
-                yield graph
-            finally:
-                graph.capture_end()
 
     @contextlib.contextmanager
     def install(self) -> Iterator[SimCuda]:

@@ -10,13 +10,13 @@ initialise the CUDA driver)."""
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from vllm_dsv4_backend.workspace.streams import CudaStreamBackend
 
-__all__ = ["GraphSafeCudaStreamBackend", "VllmCudaKernels"]
+__all__ = ["CudaKernels", "GraphSafeCudaStreamBackend", "VllmCudaKernels"]
 
 _FP8_MAX = 448.0  # float8_e4m3fn (CUDA); e4m3fnuz is ROCm only
 
@@ -78,6 +78,32 @@ class GraphSafeCudaStreamBackend(CudaStreamBackend):
 
 
 # --- kernels -----------------------------------------------------------------------
+
+
+@runtime_checkable
+class CudaKernels(Protocol):
+    """What the CUDA layer calls with caller-owned outputs: vLLM's kernel objects
+    (:class:`VllmCudaKernels`) and the torch stand-ins that replace them on CPU
+    (``tests/cuda``'s recording doubles, the graph harness's ``HarnessKernels``)
+    implement this one interface."""
+
+    def global_topk_indices_and_lens(self, global_topk_indices: torch.Tensor,
+                                     topk_lens: torch.Tensor, topk_indices: torch.Tensor,
+                                     token_to_req_indices: torch.Tensor,
+                                     block_table: torch.Tensor, block_size: int,
+                                     is_valid_token: torch.Tensor) -> None: ...
+
+    def indexer_q_fp8(self, **kwargs: Any) -> None: ...
+
+    def indexer_q_mxfp4(self, **kwargs: Any) -> None: ...
+
+    def c128_state_block_size(self) -> int: ...
+
+    def c128_compress(self, **kwargs: Any) -> None: ...
+
+    def c128_store(self, **kwargs: Any) -> None: ...
+
+    def flash_mla_with_kvcache(self, **kwargs: Any) -> Any: ...
 
 
 class VllmCudaKernels:
