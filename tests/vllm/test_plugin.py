@@ -148,11 +148,13 @@ def test_patches_apply_when_vllm_imports_the_model(registered_process):
     assert r["attn_cls_is_vllm"], "VLLM_DSV4_ATTN_IMPL=vllm must keep vLLM's layer"
     assert r["missing_after"] == [], "DeepSeek-V4 CPU ops still missing after the fallbacks"
     # The config hooks wait for vllm.engine.arg_utils, which only processes that
-    # parse or build a config import, and moe_expert_map for the CPU MoE experts module,
-    # which only a worker building its MoE kernels imports; every other model/kernel patch
-    # must have applied.
+    # parse or build a config import, moe_expert_map for the CPU MoE experts module,
+    # which only a worker building its MoE kernels imports, and pp_intermediate_buffer for
+    # the model runner, which only a worker imports; every other model/kernel patch must
+    # have applied.
     waiting_by_design = {"vllm.engine.arg_utils",
-                         "vllm.model_executor.layers.fused_moe.experts.cpu_moe"}
+                         "vllm.model_executor.layers.fused_moe.experts.cpu_moe",
+                         "vllm.v1.worker.gpu_model_runner"}
     assert not any(
         m.startswith("vllm.") and m not in waiting_by_design for m in r["pending_end"]
     ), r["pending_end"]
