@@ -15,7 +15,7 @@
 # the stub's `vllm` shadows any installed vLLM (checked). CUDA modes run when
 # torch.cuda.is_available(). Default --vllm: every version with a venv, wheel or stub.
 # --json FILE: one JSON with a report per version (written even when one fails or times
-# out: HARNESS_VERSION_TIMEOUT s per version, default 300). Exit 1 if any mode differs
+# out: HARNESS_VERSION_TIMEOUT s per version, default 1200). Exit 1 if any mode differs
 # from its reference or a negative control is not detected; 2 on usage or build errors.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -89,11 +89,11 @@ for v in $VERSIONS; do
   fi
   echo "== harness, vLLM $v stub ($PY)"
   PYTHONPATH=$STUB:$ROOT${PYTHONPATH:+:$PYTHONPATH} PYTHONDONTWRITEBYTECODE=1 \
-    timeout "${HARNESS_VERSION_TIMEOUT:-300}" "$PY" tools/cuda_graph/harness.py \
+    timeout "${HARNESS_VERSION_TIMEOUT:-1200}" "$PY" tools/cuda_graph/harness.py \
     --json "$OUTDIR/$v.json" ${HARNESS_ARGS[@]+"${HARNESS_ARGS[@]}"}
   rc=$?
   [ $rc = 124 ] && echo "cuda_graph_check: vLLM $v harness timed out" \
-    "(HARNESS_VERSION_TIMEOUT=${HARNESS_VERSION_TIMEOUT:-300} s); its JSON holds the modes done"
+    "(HARNESS_VERSION_TIMEOUT=${HARNESS_VERSION_TIMEOUT:-1200} s); its JSON holds the modes done"
   [ $rc = 0 ] || STATUS=1
 done
 

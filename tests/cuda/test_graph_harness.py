@@ -154,4 +154,4 @@ def test_no_join_control_and_emulated_no_fence_control(harness_report: tuple[str
     for order in ("lazy", "random"):
         assert sim[order]["races_with_fences"] == 0
         assert sim[order]["mismatches_with_fences"] == 0
-        assert sim[order]["races_without_fences"] > 0
+        assert sim[order]["races_without_fences"] > 0  # counted up to the saturation

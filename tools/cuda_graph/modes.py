@@ -178,7 +178,7 @@ class DboRunner:
             if any(t.is_alive() for t in threads) and not errors:
                 raise RuntimeError("a micro-batch thread hung (a hand-over never came)")
             if errors:
-                u = min(errors)
+                u = next(iter(errors))  # the first to fail; the other may fail after it
                 raise RuntimeError(f"micro-batch {u} failed: {errors[u]!r}\n"
                                    + "\n".join(getattr(errors[u], "__notes__", []))
                                    ) from errors[u]

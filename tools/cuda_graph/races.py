@@ -92,7 +92,7 @@ class _NoStacks:
 class RaceDetector:
     """The observer :class:`simcuda.SimCuda` reports to."""
 
-    def __init__(self, max_reports: int = 50) -> None:
+    def __init__(self, max_reports: int = 50, saturate_at: int = 2000) -> None:
         csan.traceback = _NoStacks  # type: ignore[assignment]  # this process only
         self.handler = csan.EventHandler()
         self.regions: list[tuple[int, int, Callable[[int], str]]] = []
@@ -102,6 +102,9 @@ class RaceDetector:
         self.max_reports = max_reports
         self.launches = 0
         self.total = 0
+        # Past this many races the verdict is in: stop checking (CSAN's cost grows
+        # with every unordered pair), and say so.
+        self.saturate_at = saturate_at
         # "capture": eager code while a graph is being captured (vLLM's eager
         # break runs once at capture on buffers whose captured producers have
         # not run: its values are never used); counted apart from "run".
@@ -162,6 +165,8 @@ class RaceDetector:
 
     def _on_launch(self, stream: Any, func: Any, args: Any, kwargs: Any, outputs: Any) -> None:
         self.launches += 1
+        if self.total >= self.saturate_at:
+            return
         schema = func._schema
         if schema.name.split("::")[-1] in NO_KERNEL:
             # An allocation, not a kernel: no stream touches the bytes (CSAN's
@@ -218,7 +223,8 @@ class RaceDetector:
             })
 
     def summary(self) -> dict[str, Any]:
-        return {"races": self.total, "distinct": len(self._seen), "launches": self.launches,
+        return {"races": self.total, "saturated": self.total >= self.saturate_at,
+                "distinct": len(self._seen), "launches": self.launches,
                 "races_in_capture_time_eager_code": self.at_capture, "first": self.races[:8]}
 
 

@@ -92,8 +92,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "                        step = stack.enter_context(\n"
         "                            eager.Step(ws, self.prefix, num_decode_tokens, "
         "core.ubatch_id())\n"
-        "                        )\n",
-        "                        step = self._dsv4_current_step()\n",
+        "                        )\n"
+        "                        lease = step.lease(\"topk\")\n"
+        "                        global_indices, topk_lens = lease[\"global\"], lease[\"lens\"]\n",
+        "                        step = self._dsv4_current_step()\n"
+        "                        lease = step.lease(\"topk\")\n"
+        "                        global_indices = lease[\"global\"][:num_decode_tokens]\n"
+        "                        topk_lens = lease[\"lens\"][:num_decode_tokens]\n",
         "harness:sim-piecewise",
     ),
     Mutant(
