@@ -389,8 +389,8 @@ PATCHES: dict[str, Patch] = {
             "config without such a tensor is returned unchanged",
             upstream="vllm/v1/core/kv_cache_utils.py: get_kv_cache_config_from_groups "
             "(with _project_kv_cache_groups_to_worker)",
-            remove_when="vLLM projects an empty UniformTypeKVCacheSpecs group's spec too, or "
-            "lays out group.layer_names",
+            remove_when="vLLM lays out group.layer_names (0.34's kv_cache_planning does; 0.33's "
+            "still lays out the spec's layers, so a CUDA PP stage on 0.33 would need it too)",
             modules=(pipeline.KV_CACHE_MODULE,),
             install=pipeline.install_stage_kv_cache,
             platforms=("cpu",),
