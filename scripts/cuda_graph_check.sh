@@ -7,6 +7,7 @@
 # bit for bit with a serial reference; see tools/cuda_graph/harness.py.
 #
 #   bash scripts/cuda_graph_check.sh [--json FILE] [--vllm 0.33|0.34|both] [--no-build]
+#                                     [--steps N] [--modes M,...] [--where cpu,sim,cuda]
 #
 # For each version: builds build/vllm_stub/<ver> (ignored, never committed) from
 # .venv-vllm0XX's vLLM, else from a wheel in $WHEELS (default /tmp/wheels), else uses an
@@ -30,8 +31,8 @@ while [ $# -gt 0 ]; do
     --json) JSON=$2; shift ;;
     --vllm) WANT=$2; shift ;;
     --no-build) BUILD=0 ;;
-    --steps|--modes|--device) HARNESS_ARGS+=("$1" "$2"); shift ;;
-    -h|--help) sed -n '4,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --steps|--modes|--device|--where) HARNESS_ARGS+=("$1" "$2"); shift ;;
+    -h|--help) sed -n '4,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "cuda_graph_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift

@@ -194,8 +194,9 @@ T1=$SECONDS
 HARNESS_STATUS="NOT RUN"; HARNESS_DETAIL="no stub in build/vllm_stub (make them: --make-bundle)"
 # Here (dry run): build the stubs from a venv or wheel if any, one step; on the box: use the
 # pre-generated ones, every mode.
-HARNESS_FLAGS=(--no-build)
-[ $DRY = 1 ] && HARNESS_FLAGS=(--steps 1)
+# The emulated (sim-*) modes are CPU CI's; the box runs the real-CUDA ones.
+HARNESS_FLAGS=(--no-build --where cpu,cuda)
+[ $DRY = 1 ] && HARNESS_FLAGS=(--steps 1 --where cpu)
 if [ "${GPU_CHECK_HARNESS:-1}" = 0 ]; then
   HARNESS_STATUS=SKIPPED; HARNESS_DETAIL="GPU_CHECK_HARNESS=0"
 elif [ $DRY = 1 ] || ls "$ROOT"/build/vllm_stub/*/vllm/__init__.py >/dev/null 2>&1; then

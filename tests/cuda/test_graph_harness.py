@@ -129,6 +129,7 @@ def test_emulated_cuda_modes_race_free_and_bitwise(harness_report: tuple[str, di
     assert stage["workspace_layers"] == [f"model.layers.{i}.attn" for i in (3, 4, 5, 6)]
     assert stage["first_layer"] == "model.layers.3.attn"
     assert stage["leases_per_step"] == [18, 18]
+    assert stage["model_steps_counted"] == 2  # marked at the stage's own first layer
 
 
 def test_vllm_fork_join_capture_code_ran(harness_report: tuple[str, dict]) -> None:

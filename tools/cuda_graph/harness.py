@@ -67,9 +67,12 @@ def _write(path: str, report: dict[str, Any]) -> None:
     os.replace(path + ".tmp", path)
 
 
-def default_modes(version: str, device: torch.device) -> list[str]:
+def default_modes(version: str, device: torch.device,
+                  where: tuple[str, ...] = ("cpu", "sim", "cuda")) -> list[str]:
     out = []
     for m in MODES:
+        if m.where not in where:
+            continue
         if m.mrv1 and not version.startswith("0.33."):
             continue  # MRV1 (_prepare_and_attn_eager) is 0.33's only
         if m.where == "cuda" and device.type != "cuda":
@@ -88,8 +91,8 @@ CONTROLS = ("wrong_standin", "no_join", "no_fence")
 def run_all(modes: list[str] | None = None, steps: int = 3, device: str | None = None,
             seed: int = 0, log: Callable[[str], None] = print,
             json_path: str | None = None, impls: tuple[str, ...] = ("plugin", "vllm"),
-            controls_wanted: tuple[str, ...] = CONTROLS, fail_fast: bool = False
-            ) -> dict[str, Any]:
+            controls_wanted: tuple[str, ...] = CONTROLS, fail_fast: bool = False,
+            where: tuple[str, ...] = ("cpu", "sim", "cuda")) -> dict[str, Any]:
     """Every mode, the comparisons and the controls; with ``json_path`` the
     report is rewritten after each mode (``complete`` false until the end), so
     a run killed by a timeout still leaves what it did. ``impls``, the
@@ -106,9 +109,10 @@ def run_all(modes: list[str] | None = None, steps: int = 3, device: str | None =
     torch.backends.cudnn.allow_tf32 = False
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     version = vllm.__version__
-    full_run = modes is None  # every key line must run only when every mode does
+    # Every key line must run only when every emulated mode does.
+    full_run = modes is None and "sim" in where
     if modes is None:
-        modes = default_modes(version, dev)
+        modes = default_modes(version, dev, where)
     unknown = [m for m in modes if m not in MODE_BY_NAME]
     if unknown:
         raise SystemExit(f"harness: unknown modes {unknown}; known: {sorted(MODE_BY_NAME)}")
@@ -318,12 +322,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--controls", default=",".join(CONTROLS),
                     help=f"negative controls to run (of {','.join(CONTROLS)}; '' for none)")
     ap.add_argument("--fail-fast", action="store_true", help="stop at the first failure")
+    ap.add_argument("--where", default="cpu,sim,cuda",
+                    help="default modes of these kinds: cpu, sim (emulated CUDA), cuda")
     args = ap.parse_args(argv)
     modes = args.modes.split(",") if args.modes else None
     report = run_all(modes, steps=args.steps, device=args.device, json_path=args.json,
                      impls=tuple(x for x in args.impls.split(",") if x),
                      controls_wanted=tuple(x for x in args.controls.split(",") if x),
-                     fail_fast=args.fail_fast)
+                     fail_fast=args.fail_fast,
+                     where=tuple(x for x in args.where.split(",") if x))
     if args.json:
         _write(args.json, report)
     print(f"harness: vLLM {report['vllm']} stub, {report['device']}: "

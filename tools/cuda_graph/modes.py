@@ -437,6 +437,8 @@ def run_mode(mode: Mode, impl: str, seed: int, steps: int, coverage: Any = None,
             if m.ws is not None:
                 res["workspace_layers"] = list(m.ws.layers)
                 res["first_layer"] = m.ws.first_layer
+                # Model steps the live counters marked (at the first layer, micro-batch 0).
+                res["model_steps_counted"] = m.ws.live_stats()["steps"]
     finally:
         S.SLOW["cycles"] = 0
         S.YIELD_BEFORE_O_PROJ["on"] = False
