@@ -59,6 +59,16 @@ def env(**kv: str | None) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def _schedule_config() -> Any:
+    """The fan-out schedule's workspace (64 tokens, the harness's head sizes)."""
+    from vllm_dsv4_backend.workspace import WorkspaceConfig
+
+    return WorkspaceConfig(max_num_batched_tokens=64, num_local_heads=HEADS, padded_q_heads=64,
+                           head_dim=HEAD_DIM, index_n_heads=INDEX_HEADS,
+                           index_head_dim=INDEX_DIM, index_topk=TOPK, indexer_kv_dtype="fp8",
+                           num_ubatches=NUM_UBATCHES, include_attn_out=True, include_q=False)
+
+
 def control_no_fence_schedule(device: torch.device, seeds: int = 4,
                               sim: Any = None) -> dict[str, Any]:
     """(a) The plugin's workspace factory (``layer.cuda.make_workspace``: the
@@ -74,12 +84,9 @@ def control_no_fence_schedule(device: torch.device, seeds: int = 4,
         enqueue_dsv4_step,
         make_stamp_source,
     )
-    from vllm_dsv4_backend.workspace import SimStreamBackend, WorkspaceConfig
+    from vllm_dsv4_backend.workspace import SimStreamBackend
 
-    cfg = WorkspaceConfig(max_num_batched_tokens=64, num_local_heads=HEADS, padded_q_heads=64,
-                          head_dim=HEAD_DIM, index_n_heads=INDEX_HEADS,
-                          index_head_dim=INDEX_DIM, index_topk=TOPK, indexer_kv_dtype="fp8",
-                          num_ubatches=NUM_UBATCHES, include_attn_out=True, include_q=False)
+    cfg = _schedule_config()
 
     def run(fences: bool) -> int:
         with env(VLLM_DSV4_TEST_UNSAFE_NO_FENCES=None if fences else "1",
@@ -168,12 +175,8 @@ def _no_fence_sim(sim: Any, seeds: int) -> dict[str, Any]:
         enqueue_dsv4_step,
         make_stamp_source,
     )
-    from vllm_dsv4_backend.workspace import WorkspaceConfig
 
-    cfg = WorkspaceConfig(max_num_batched_tokens=64, num_local_heads=HEADS, padded_q_heads=64,
-                          head_dim=HEAD_DIM, index_n_heads=INDEX_HEADS,
-                          index_head_dim=INDEX_DIM, index_topk=TOPK, indexer_kv_dtype="fp8",
-                          num_ubatches=NUM_UBATCHES, include_attn_out=True, include_q=False)
+    cfg = _schedule_config()
 
     def run(fences: bool, policy: str, seed: int) -> tuple[int, int]:
         with env(VLLM_DSV4_TEST_UNSAFE_NO_FENCES=None if fences else "1",

@@ -462,17 +462,12 @@ class Model:
         ubatching._THREAD_ID_TO_CONTEXT[threading.get_ident()] = u
         md = None if self.dummy_metadata else self.md[u]
         with set_forward_context(md, mode):
-            if meter is not None:
-                with meter.layer():
-                    y = layer(self.positions[u], x)
-            else:
-                y = layer(self.positions[u], x)
-        return (x.float() + y.float()).to(torch.bfloat16)
+            return self.layer_in_thread(layer, u, x, meter)
 
     def layer_in_thread(self, layer: Any, u: int, x: torch.Tensor,
                         meter: Meter | None) -> torch.Tensor:
-        """One layer inside micro-batch ``u``'s ``UBatchContext`` thread (its
-        forward context and ubatch id are the context's)."""
+        """One layer and the residual add, in the current forward context (inside
+        micro-batch ``u``'s ``UBatchContext`` thread: the context's)."""
         if meter is not None:
             with meter.layer():
                 y = layer(self.positions[u], x)
