@@ -14,6 +14,7 @@ whose groups all hold its layers, gets vLLM's plan object unchanged.
 
 from __future__ import annotations
 
+import inspect
 import types
 from typing import Any
 
@@ -36,6 +37,9 @@ from vllm_dsv4_backend.vllm_compat import pipeline  # noqa: E402
 pytestmark = pytest.mark.vllm
 
 LAYOUT = KVCacheLayout.BLHNC  # what vLLM resolves for DeepSeek-V4 on CPU
+# vLLM's own planner, also when an earlier test in this process let the plugin
+# patch kv_cache_utils (the patch keeps it as __wrapped__).
+VLLM_PLANNER = inspect.unwrap(kcu.get_kv_cache_config_from_groups)
 
 
 def _vllm_config() -> Any:
@@ -63,7 +67,7 @@ def _plan() -> tuple[list[KVCacheGroupSpec], list[dict[str, Any]]]:
 def _patched() -> Any:
     """vLLM's planner behind the patch's wrapper, on a stand-in module."""
     module = types.ModuleType("stand_in_kv_cache_utils")
-    module.get_kv_cache_config_from_groups = kcu.get_kv_cache_config_from_groups
+    module.get_kv_cache_config_from_groups = VLLM_PLANNER
     module.KVCacheConfig = kcu.KVCacheConfig
     applied: list[str] = []
     assert pipeline.install_stage_kv_cache(module, applied.append) is True
@@ -75,7 +79,7 @@ def test_vllm_gives_stage_0_a_tensor_of_stage_1() -> None:
     groups, stages = _plan()
     stage0 = kcu._project_kv_cache_groups_to_worker(groups, stages[0])
     assert stage0[1].layer_names == []  # group B has no layer on stage 0 ...
-    config = kcu.get_kv_cache_config_from_groups(_vllm_config(), stage0, 1 << 20)
+    config = VLLM_PLANNER(_vllm_config(), stage0, 1 << 20)
     named = [name for t in config.kv_cache_tensors for name in t.layers]
     assert "s1.b" in named  # ... but vLLM lays out its spec's layer there
     with pytest.raises(StopIteration):
@@ -85,7 +89,7 @@ def test_vllm_gives_stage_0_a_tensor_of_stage_1() -> None:
 def test_patched_stage_0_holds_only_its_layers() -> None:
     groups, stages = _plan()
     stage0 = kcu._project_kv_cache_groups_to_worker(groups, stages[0])
-    vllm_config = kcu.get_kv_cache_config_from_groups(_vllm_config(), stage0, 1 << 20)
+    vllm_config = VLLM_PLANNER(_vllm_config(), stage0, 1 << 20)
     config = _patched()(_vllm_config(), stage0, 1 << 20)
     assert [t.layers for t in config.kv_cache_tensors] == [["s0.a"]]
     # Everything else is vLLM's plan: the same blocks, groups and tensor geometry.
@@ -99,7 +103,7 @@ def test_patched_stage_0_holds_only_its_layers() -> None:
 def test_stage_with_every_group_keeps_vllms_plan() -> None:
     groups, stages = _plan()
     stage1 = kcu._project_kv_cache_groups_to_worker(groups, stages[1])
-    original = kcu.get_kv_cache_config_from_groups(_vllm_config(), stage1, 1 << 20)
+    original = VLLM_PLANNER(_vllm_config(), stage1, 1 << 20)
     config, dropped = pipeline.own_layer_tensors(original)
     assert config is original and dropped == []
     assert set(allocate_kv_cache(config, torch.device("cpu"), LAYOUT)) == {"s1.a", "s1.b"}
