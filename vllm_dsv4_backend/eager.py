@@ -2,7 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """What the plugin's layers share of the DeepSeek-V4 attention eager region (torch only).
 
-:class:`Step` holds one layer's workspace leases of one step (both layers);
+:class:`Region` holds one layer's workspace leases of one pass through its eager
+region (both layers);
 :func:`select_topk_c4` is the CPU layer's C4 top-k into leased buffers. Every output goes
 into caller-owned buffers (workspace leases); nothing here allocates a buffer that outlives
 the call.
@@ -18,14 +19,15 @@ from vllm_dsv4_backend.formats.fp8_ds_mla import BYTES_PER_TOKEN as ENTRY_BYTES
 from vllm_dsv4_backend.ops import indexer as indexer_ops
 
 
-class Step:
-    """One layer's eager step: the leases it takes, released together.
+class Region:
+    """One layer's pass through its eager region (one micro-batch): the leases
+    it takes, released together.
 
     Built per layer and forward (workspace, layer name, token count,
     micro-batch); the layer's hooks call :meth:`lease` for a family when they
     first need it, and leaving the ``with`` block releases every lease still
-    held, whether the step returned or raised, so an exception inside the
-    indexer cannot leave a slot "still leased" for the next step.
+    held, whether the region returned or raised, so an exception inside the
+    indexer cannot leave a slot "still leased" for the next model step.
     :meth:`release` hands a family back early (after its last consumer),
     which lets another layer's producer take the slot sooner.
     """
@@ -40,7 +42,7 @@ class Step:
         self._leases: dict[str, Any] = {}
 
     def lease(self, family: str) -> Any:
-        """The step's lease of ``family`` (taken on first use, then reused)."""
+        """The region's lease of ``family`` (taken on first use, then reused)."""
         lease = self._leases.get(family)
         if lease is None:
             lease = self.workspace.lease(self.layer_name, family, self.num_tokens,
@@ -70,7 +72,7 @@ class Step:
         if first is not None:
             raise first
 
-    def __enter__(self) -> Step:
+    def __enter__(self) -> Region:
         return self
 
     def __exit__(self, *exc: Any) -> None:

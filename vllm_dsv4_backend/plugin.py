@@ -171,8 +171,33 @@ def register() -> None:
     """Entry point of the ``vllm.general_plugins`` group (idempotent).
 
     Never raises for an unsupported combination unless
-    ``VLLM_DSV4_ATTN_IMPL=plugin`` (see the module docstring).
+    ``VLLM_DSV4_ATTN_IMPL=plugin`` (see the module docstring), and never for
+    an unexpected error of its own: that is one ERROR line, the hooks not yet
+    run are dropped and vLLM goes on without the plugin (under ``plugin`` it
+    raises).
     """
+    global _REGISTERED
+    try:
+        _register()
+    except Exception as e:
+        # Asked for explicitly (or a bad value of the plugin's own setting, whose
+        # reader raises here): a startup error, not a silent fallback.
+        if envs.VLLM_DSV4_ATTN_IMPL == "plugin":
+            raise
+        from vllm_dsv4_backend.vllm_compat import hooks
+
+        dropped = hooks.disarm_all()
+        with _lock:
+            _REGISTERED = True
+            _state.update(armed=[], stood_aside=f"register() failed: {type(e).__name__}: {e}")
+        logger.error(
+            "vllm_dsv4_backend %s: register() failed (%s: %s); the plugin stands aside "
+            "(hooks dropped for: %s) and vLLM serves with its own code",
+            __version__, type(e).__name__, e, ", ".join(dropped) or "none",
+        )
+
+
+def _register() -> None:
     global _REGISTERED
     with _lock:
         if _REGISTERED:

@@ -21,17 +21,18 @@ import torch
 from vllm_dsv4_backend import eager, ops
 from vllm_dsv4_backend.formats import fp8_ds_mla
 from vllm_dsv4_backend.formats import indexer_cache as ic
+from vllm_dsv4_backend.layer.plan import Dims, build_workspace_config, dims_from_hf_config
 from vllm_dsv4_backend.ops import compressor as comp_ops
 from vllm_dsv4_backend.ops import indexer as indexer_ops
 from vllm_dsv4_backend.ops import metadata as md_ops
 from vllm_dsv4_backend.ops import rope, slots
+from vllm_dsv4_backend.testing.schedule import WIDE_PLAN
 from vllm_dsv4_backend.vllm_compat import cpu_ops
 from vllm_dsv4_backend.workspace import (
     WorkspaceCapacityError,
-    WorkspaceConfig,
     WorkspaceLeaseError,
     WorkspaceManager,
-    layer_families,
+    count_allocations,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -414,8 +415,10 @@ def test_topk_short_then_long_in_the_same_lease(dtype, debug):
     sees <= 512 entries: the short-context rule) then a long one (indexer scoring), then
     short again. Each equals a fresh computation in fresh buffers; replaying the short
     rule on the long step (the #52492 failure) is detectably different."""
-    cfg = WorkspaceConfig(max_num_batched_tokens=16, num_local_heads=8, padded_q_heads=8,
-                          index_topk=TOPK, indexer_kv_dtype=dtype, compress_ratios=(4,))
+    # Every view of the topk family (local too): WIDE_PLAN, an explicit plan.
+    cfg = build_workspace_config(Dims(num_local_heads=8, padded_q_heads=8, index_topk=TOPK),
+                                 max_num_batched_tokens=16, indexer_kv_dtype=dtype,
+                                 plan=WIDE_PLAN, compress_ratios=(4,))
     mgr = WorkspaceManager(cfg, [("layers.0", 4)], policy="shared", debug=debug)
     mgr.reserve()
     short = _topk_case(dtype, [100, 2000, 7, 1500, 300, 2046], 7)
@@ -423,8 +426,8 @@ def test_topk_short_then_long_in_the_same_lease(dtype, debug):
     for case in (short, long_, short):
         t = case[2].numel()
         scored = int(torch.div(case[2] + 1, 4, rounding_mode="floor").max()) > TOPK
-        with eager.Step(mgr, "layers.0", t) as step:
-            lease = step.lease("topk")
+        with eager.Region(mgr, "layers.0", t) as region:
+            lease = region.lease("topk")
             _select(dtype, case, lease["local"], lease["global"], lease["lens"], scored=scored)
             ref = _fresh(dtype, case, scored)
             for name, want in zip(("local", "global", "lens"), ref):
@@ -712,11 +715,13 @@ def test_584_bytes_per_entry_in_every_group(group, entries):
 # ==========================================================================================
 def _tiny_manager(mnbt: int, dtype: str, policy: str = "shared", debug: bool = False):
     hf = json.loads(TINY_CONFIG.read_text())
-    # As layer/cpu.py builds it for vLLM's CPU layer (padded heads = the local heads).
-    cfg = WorkspaceConfig.from_hf_config(hf, max_num_batched_tokens=mnbt, tp_size=1,
-                                         indexer_kv_dtype=dtype, padded_heads=8,
-                                         include_attn_out=True, include_q=False)
-    layers = [(f"model.layers.{i}.self_attn", r) for i, r in enumerate(cfg.compress_ratios)]
+    # The tiny model's dims (padded heads = the local heads, as vLLM's CPU layer);
+    # every family of every layer kind, the q family as the attention output
+    # (WIDE_PLAN, an explicit plan: C4 layers lease compressor scratch too).
+    dims, ratios = dims_from_hf_config(hf, tp_size=1, padded_heads=8)
+    cfg = build_workspace_config(dims, max_num_batched_tokens=mnbt, indexer_kv_dtype=dtype,
+                                 plan=WIDE_PLAN, compress_ratios=ratios)
+    layers = [(f"model.layers.{i}.self_attn", r) for i, r in enumerate(cfg.layer_kinds)]
     mgr = WorkspaceManager(cfg, layers, policy=policy, debug=debug)
     mgr.reserve()
     return mgr
@@ -730,7 +735,7 @@ def test_lease_beyond_reservation_names_family_layer_and_setting(dtype):
     mnbt = 48
     mgr = _tiny_manager(mnbt, dtype)
     for layer, ratio in mgr.layers.items():
-        for fam in layer_families(ratio):
+        for fam in mgr.config.layer_families(ratio):
             mgr.lease(layer, fam, mnbt).release()
             with pytest.raises(WorkspaceCapacityError) as ei:
                 mgr.lease(layer, fam, mnbt + 1)
@@ -746,7 +751,7 @@ def test_lease_beyond_reservation_names_family_layer_and_setting(dtype):
 @pytest.mark.parametrize("policy", ["shared", "private"])
 def test_no_growth_after_warmup(policy):
     """After a warm-up step, steps of any size <= max_num_batched_tokens (all families,
-    every layer, through eager.Step) allocate nothing: no tensor allocation in the step,
+    every layer, through eager.Region) allocate nothing: no tensor allocation in the step,
     the same reserved bytes and storage, the same view addresses per (layer, family, T)."""
     mnbt = 32
     mgr = _tiny_manager(mnbt, "mxfp4", policy)
@@ -754,22 +759,22 @@ def test_no_growth_after_warmup(policy):
     reserved = mgr.stats()["reserved_bytes_total"]
     sizes = [1, 7, mnbt, 0, 19, 1, mnbt]
 
-    def one_step(t: int, count: bool) -> dict:
+    def one_step(t: int) -> tuple[dict, int]:
         ptrs = {}
-        with mgr.step(count_allocations=count):
+        with count_allocations() as c:
             for layer, ratio in mgr.layers.items():
-                with eager.Step(mgr, layer, t) as step:
-                    for fam in layer_families(ratio):
-                        lease = step.lease(fam)
+                with eager.Region(mgr, layer, t) as region:
+                    for fam in mgr.config.layer_families(ratio):
+                        lease = region.lease(fam)
                         for name, v in lease.views.items():
                             ptrs[(layer, fam, name)] = v.data_ptr()
-        return ptrs
+        return ptrs, c.count
 
-    first = {t: one_step(t, False) for t in set(sizes)}  # warm-up: views built per T
+    first = {t: one_step(t)[0] for t in set(sizes)}  # warm-up: views built per T
     for t in sizes * 2:
-        ptrs = one_step(t, True)
+        ptrs, allocations = one_step(t)
         s = mgr.stats()
-        assert s["counted_allocations_last_step"] == 0, s
+        assert allocations == 0, s
         assert s["allocations_total"] == 0 and s["reserved_bytes_total"] == reserved
         assert s["leased_bytes_now"] == 0
         assert ptrs == first[t]
@@ -790,21 +795,21 @@ def test_exception_in_eager_step_releases_every_lease(policy, debug):
     mgr = _tiny_manager(16, "fp8", policy, debug)
     layer, other = "model.layers.1.self_attn", "model.layers.3.self_attn"  # both C4
     with pytest.raises(IndexerBoom, match="indexer exploded"), \
-            eager.Step(mgr, layer, 9) as step:
-        step.lease("q")
-        topk = step.lease("topk")
+            eager.Region(mgr, layer, 9) as region:
+        region.lease("q")
+        topk = region.lease("topk")
         topk["local"].fill_(3)
-        assert set(step.held()) == {"q", "topk"}
+        assert set(region.held()) == {"q", "topk"}
         raise IndexerBoom("indexer exploded")
-    assert step.held() == ()
+    assert region.held() == ()
     assert mgr.stats()["leased_bytes_now"] == 0
     if debug:  # the released region was poisoned for the next user
         assert bool((topk["local"] == INT32_MIN).all())
     # The next step of the same layer, and another layer sharing the slot, lease again.
     for name in (layer, other):
-        with eager.Step(mgr, name, 16) as step:
+        with eager.Region(mgr, name, 16) as region:
             for fam in ("q", "indexer_q", "topk", "compressor"):
-                step.lease(fam)
+                region.lease(fam)
     assert mgr.stats()["leased_bytes_now"] == 0
 
 
@@ -823,11 +828,11 @@ def test_failing_release_does_not_leave_other_leases_held(monkeypatch):
 
     monkeypatch.setattr(mgr, "_release", failing)
     with pytest.raises(WorkspaceLeaseError, match="simulated"), \
-            eager.Step(mgr, layer, 4) as step:
+            eager.Region(mgr, layer, 4) as region:
         for fam in ("q", "indexer_q", "topk"):
-            step.lease(fam)
-        bad.append(step._leases["indexer_q"])
+            region.lease(fam)
+        bad.append(region._leases["indexer_q"])
     assert mgr.stats()["leased_bytes_now"] == 0
-    with eager.Step(mgr, layer, 8) as step:
+    with eager.Region(mgr, layer, 8) as region:
         for fam in ("q", "indexer_q", "topk"):
-            step.lease(fam)
+            region.lease(fam)

@@ -2,22 +2,44 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The layer core both platforms share (``vllm_dsv4_backend.layer.core``),
 without vLLM: the workspace config from a vLLM-shaped config, the per-model
-registry, reserve-and-report, the step holder, and the one ``layer_kind``."""
+registry, reserve-and-report, the step holder, and the one ``layer_kind``.
+
+And the floor between the two: the workspace (``vllm_dsv4_backend.workspace``)
+is the model-agnostic mechanism, DeepSeek-V4's families, lease plans and
+sizing report live on the layer floor (``layer.plan``, ``layer.sizing``),
+and one builder (``plan.build_workspace_config``) makes every config."""
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import io
 import logging
+import re
+import subprocess
+import sys
+import tokenize
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from vllm_dsv4_backend.formats import constants
-from vllm_dsv4_backend.layer import core
+from vllm_dsv4_backend.layer import core, plan
+from vllm_dsv4_backend.layer import sizing as layer_sizing
+from vllm_dsv4_backend.testing.schedule import WIDE_PLAN
 from vllm_dsv4_backend.workspace import sizing
 
+PACKAGE = Path(__file__).resolve().parents[2] / "vllm_dsv4_backend"
+WORKSPACE = PACKAGE / "workspace"
+FAMILIES = ("q", "indexer_q", "topk", "compressor")
+# The sizing before lease plans: every family each kind can use, every view,
+# the padded q as the q family (now only as an explicit plan).
+EVERY_FAMILY_PLAN = {kind: {**fams, "q": ("q",)} for kind, fams in WIDE_PLAN.items()}
 
-def _vllm_config(dtype: str = "fp8", ubatching: bool = False) -> SimpleNamespace:
-    hf = SimpleNamespace(index_n_heads=4, index_head_dim=64, index_topk=8)
+
+def _vllm_config(dtype: str = "fp8", ubatching: bool = False, hf=None) -> SimpleNamespace:
+    hf = hf or SimpleNamespace(index_n_heads=4, index_head_dim=64, index_topk=8)
     return SimpleNamespace(
         model_config=SimpleNamespace(hf_config=hf),
         attention_config=SimpleNamespace(resolve_indexer_kv_dtype=lambda default: dtype),
@@ -32,26 +54,49 @@ def _layer() -> SimpleNamespace:
 
 
 def test_one_layer_kind():
-    assert sizing.layer_kind is constants.layer_kind is core.layer_kind
+    assert plan.layer_kind is constants.layer_kind is core.layer_kind
+    assert not hasattr(sizing, "layer_kind")  # the workspace knows kinds, not ratios
     assert [constants.layer_kind(r) for r in (0, 1, 4, 128)] == ["swa", "swa", "c4", "c128"]
     for bad in (16, 2, -4, True, "4", 4.0, None):
         with pytest.raises(ValueError, match=r"\[0, 1, 4, 128\]"):
             constants.layer_kind(bad)
-    with pytest.raises(ValueError):
-        sizing.layer_families(16)
+    # The builder's kinds are the compress ratios, labelled by constants.LAYER_KINDS.
+    cfg = plan.build_workspace_config(plan.Dims(4, 8), max_num_batched_tokens=8,
+                                      indexer_kv_dtype="fp8")
+    assert set(cfg.kinds) == set(constants.LAYER_KINDS)
+    assert dict(cfg.kind_labels) == {r: k.upper() for r, k in constants.LAYER_KINDS.items()}
+    with pytest.raises(ValueError, match=r"compress_ratio: expected one of \[0, 1, 4, 128\]"):
+        plan.build_workspace_config(plan.Dims(4, 8), max_num_batched_tokens=8,
+                                    indexer_kv_dtype="fp8", compress_ratios=(0, 16))
+    with pytest.raises(ValueError, match="layer kind"):
+        cfg.layer_families(16)
 
 
 @pytest.mark.parametrize(("asked", "want"), [("fp8", "fp8"), ("mxfp4", "mxfp4"),
                                              ("bf16", "fp8")])
 def test_workspace_config_from_vllm_config(asked, want):
     cfg = core.workspace_config(_vllm_config(asked, ubatching=True), _layer(), "cuda")
-    assert (cfg.max_num_batched_tokens, cfg.num_local_heads, cfg.padded_q_heads,
-            cfg.head_dim) == (16, 4, 8, 32)
-    assert (cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk) == (4, 64, 8)
-    assert cfg.indexer_kv_dtype == want
+    p = cfg.params
+    assert (cfg.max_num_batched_tokens, p["num_local_heads"], p["padded_q_heads"],
+            p["head_dim"]) == (16, 4, 8, 32)
+    assert (p["index_n_heads"], p["index_head_dim"], p["index_topk"]) == (4, 64, 8)
+    assert p["indexer_kv_dtype"] == want
+    assert p["plan"] == "cuda"
     assert cfg.num_ubatches == 3
+    assert cfg.layer_kinds == ()  # the layers register themselves (add_layer)
     assert [s.name for s in cfg.family_buffers("q")] == ["out"]
-    assert cfg.lease_plan == core.lease_plan("cuda", want)
+    # The one builder, with the platform's own lease plan.
+    dims = plan.Dims(num_local_heads=4, padded_q_heads=8, head_dim=32, index_n_heads=4,
+                     index_head_dim=64, index_topk=8)
+    assert cfg == plan.build_workspace_config(dims, max_num_batched_tokens=16,
+                                              indexer_kv_dtype=want, platform="cuda",
+                                              num_ubatches=3)
+    # The same plan given explicitly: the same config but for its source.
+    custom = plan.build_workspace_config(dims, max_num_batched_tokens=16,
+                                         indexer_kv_dtype=want,
+                                         plan=plan.LEASE_PLAN["cuda"][want], num_ubatches=3)
+    assert custom.params["plan"] == "custom"
+    assert dataclasses.replace(custom, params=cfg.params) == cfg
 
 
 def _reserved(cfg: sizing.WorkspaceConfig) -> dict[str, dict[str, list[str]]]:
@@ -76,21 +121,48 @@ def test_lease_plan_is_what_sizing_reserves(platform, dtype):
     if platform == "cuda":
         want["c128"]["compressor"] = ["scratch"]
     assert _reserved(cfg) == want
-    no_plan = sizing.WorkspaceConfig(max_num_batched_tokens=16, num_local_heads=4,
-                                     padded_q_heads=8, indexer_kv_dtype=dtype)
-    assert [s.name for s in no_plan.family_buffers("topk")] == ["local", "global", "lens"]
-    assert no_plan.layer_families(4) == sizing.FAMILIES
+    # ... which is plan.LEASE_PLAN less the views the dtype does not have.
+    lp = plan.LEASE_PLAN[platform][dtype]
+    assert _reserved(cfg) == {
+        kind: {f: [v for v in views if v in indexer_q or f != "indexer_q"]
+               for f, views in lp[kind].items()} for kind in ("swa", "c4", "c128")}
+    # Only the families some kind leases exist at all.
+    assert cfg.family_names == tuple(f for f in FAMILIES
+                                     if any(f in fams for fams in lp.values()))
+    # An explicit plan with every view (the sizing before lease plans) reserves
+    # topk.local and every family for C4.
+    every = plan.build_workspace_config(plan.Dims(4, 8), max_num_batched_tokens=16,
+                                        indexer_kv_dtype=dtype, plan=EVERY_FAMILY_PLAN)
+    assert every.params["plan"] == "custom"
+    assert [s.name for s in every.family_buffers("topk")] == ["local", "global", "lens"]
+    assert every.layer_families(4) == FAMILIES
 
 
 def test_lease_plan_refuses_unknown_names():
+    def build(**kw):
+        return plan.build_workspace_config(plan.Dims(4, 8), max_num_batched_tokens=8,
+                                           indexer_kv_dtype="fp8", **kw)
+
     with pytest.raises(ValueError, match="platform"):
-        core.lease_plan("tpu", "fp8")
-    with pytest.raises(ValueError, match="unknown family"):
-        sizing.LeasePlan({"c4": {"kv": ("q",)}})
+        build(platform="tpu")
+    with pytest.raises(ValueError, match="unknown layer kind 'c8'"):
+        build(plan={"c8": {"q": ("out",)}})
+    with pytest.raises(ValueError, match="unknown family 'kv'"):
+        build(plan={"c4": {"kv": ("q",)}})
     with pytest.raises(ValueError, match="views"):
-        sizing.LeasePlan({"c4": {"topk": ("idx",)}})
+        build(plan={"c4": {"topk": ("idx",)}})
+    with pytest.raises(ValueError, match="views"):
+        build(plan={"c4": {"topk": ()}})
     with pytest.raises(ValueError, match="one kind and"):
-        sizing.LeasePlan({"c4": {"q": ("out",)}, "swa": {"q": ("q", "out")}})
+        build(plan={"c4": {"q": ("out",)}, "swa": {"q": ("q", "out")}})
+    with pytest.raises(ValueError, match="indexer_kv_dtype"):
+        plan.build_workspace_config(plan.Dims(4, 8), max_num_batched_tokens=8,
+                                    indexer_kv_dtype="nvfp4")
+    # Every declared plan passes its own builder.
+    for platform, per_dtype in plan.LEASE_PLAN.items():
+        for dtype, lp in per_dtype.items():
+            plan.build_workspace_config(plan.Dims(4, 8), max_num_batched_tokens=8,
+                                        indexer_kv_dtype=dtype, plan=lp)
 
 
 def test_sizing_table_sizes_the_plans(capsys):
@@ -98,20 +170,224 @@ def test_sizing_table_sizes_the_plans(capsys):
     ``shared`` CUDA keeps C128's compressor scratch, CPU reserves none, and
     neither reserves ``topk.local``; the #49236 pool is 548 MiB."""
     mib = sizing.MIB
-    rows = {p: sizing.memory_table(tp_sizes=(1,), policies=("shared",),
-                                   lease_plans={d: core.lease_plan(p, d)
-                                                for d in sizing.INDEXER_KV_DTYPES})
+    rows = {p: layer_sizing.memory_table(platform=p, tp_sizes=(1,), policies=("shared",))
             for p in ("cpu", "cuda")}
-    old = sizing.memory_table(tp_sizes=(1,), policies=("shared",))
+    # The sizing before lease plans, now an explicit plan through the same builder.
+    dims, ratios = plan.dims_from_hf_config(plan.DSV4_FLASH_HF_CONFIG, tp_size=1)
+    old = [sizing.workspace_bytes(plan.build_workspace_config(
+        dims, max_num_batched_tokens=8192, indexer_kv_dtype=d, plan=EVERY_FAMILY_PLAN,
+        compress_ratios=ratios), "shared").per_family for d in constants.INDEXER_KV_DTYPES]
     for p, rs in rows.items():
         for r, o in zip(rs, old, strict=True):
             assert round(r["pool49236"] / mib) == 548
             lens = 8192 * 4 if (p, r["indexer"]) == ("cpu", "fp8") else 0
-            assert r["topk"] == o["topk"] - 8192 * 512 * 4 - lens
-            assert r["compressor"] == (8192 * 512 * 4 if p == "cuda" else 0)
-    sizing.main(["--tp", "1"])
+            assert r["families"]["topk"] == o["topk"] - 8192 * 512 * 4 - lens
+            assert r["families"].get("compressor", 0) == (8192 * 512 * 4 if p == "cuda" else 0)
+            assert ("compressor" in r["families"]) == (p == "cuda")
+            assert r["families"]["q"] == o["q"]  # the output instead of the padded q
+    layer_sizing.main(["--tp", "1"])
     out = capsys.readouterr().out
     assert "cpu: the layer's lease plan" in out and "cuda: the layer's lease plan" in out
+
+
+# --- the floor: the workspace names no model, the layer floor builds its config ----------
+
+
+def _prose_and_code(path: Path) -> tuple[str, str]:
+    """``path``'s documentation (docstrings, bare string statements, comments)
+    and the rest of its source, each as text."""
+    src = path.read_text()
+    lines = src.splitlines(keepends=True)
+    doc_lines: set[int] = set()
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and \
+                isinstance(node.value.value, str):
+            doc_lines.update(range(node.lineno, node.end_lineno + 1))
+    comments: dict[int, int] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.start[1]
+    prose, code = [], []
+    for i, line in enumerate(lines, start=1):
+        if i in doc_lines:
+            prose.append(line)
+        elif i in comments:
+            prose.append(line[comments[i]:])
+            code.append(line[:comments[i]] + "\n")
+        else:
+            code.append(line)
+    return "".join(prose), "".join(code)
+
+
+# DeepSeek-V4's own family and view names, and the model's name.
+DSV4_NAMES = ("indexer_q", "topk", "compressor", "scratch", "scales", "deepseek")
+# Where the workspace's prose may still say them (lower-case name -> at most
+# this many times): the history of #49236 and pointers to the layer floor.
+PROSE_ALLOWED = {
+    "__init__.py": {"deepseek": 1},      # "DeepSeek-V4's: vllm_dsv4_backend.layer.plan"
+    "alloc_counter.py": {"scratch": 1},  # "a C++ op's scratch" (any op's, not a family)
+    "budget.py": {"deepseek": 1},        # the example: 24 GiB for DeepSeek-V4-Flash
+    "manager.py": {"deepseek": 2,        # #49236's history; vLLM's DeepseekV4Attention
+                   "scratch": 1},        # "one model-wide scratch pool" (#49236)
+    "sizing.py": {"deepseek": 1},        # "DeepSeek-V4's families ... live on the layer floor"
+}
+
+
+def _workspace_sources() -> list[Path]:
+    paths = sorted(WORKSPACE.rglob("*.py"))
+    assert {p.name for p in paths} >= {"__init__.py", "manager.py", "sizing.py", "lease.py"}
+    return paths
+
+
+def test_workspace_names_no_deepseek_family():
+    """No DeepSeek-V4 family or view name, nor the model's name, in the
+    workspace's code (identifiers, strings); in its prose only the pinned
+    history notes and pointers (PROSE_ALLOWED)."""
+    every = {f: [v.name for v in views] for f, views in
+             plan.family_views(plan.Dims(4, 8), "mxfp4").items()}
+    assert set(DSV4_NAMES[:5]) <= set(every) | {v for vs in every.values() for v in vs}
+    # Every name of the plan: a string literal in the workspace's code would
+    # be a family or view the mechanism knows by name.
+    literals = set(every) | {v for vs in every.values() for v in vs}
+    found: list[str] = []
+    for path in _workspace_sources():
+        rel = path.relative_to(WORKSPACE).as_posix()
+        prose, code = _prose_and_code(path)
+        for name in DSV4_NAMES:
+            if name in code.lower():
+                found.append(f"{rel}: {name!r} in code")
+            n = prose.lower().count(name)
+            if n > PROSE_ALLOWED.get(rel, {}).get(name, 0):
+                found.append(f"{rel}: {name!r} {n} times in prose")
+        tree = ast.parse(path.read_text())
+        docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and id(node) not in docs and \
+                    isinstance(node.value, str) and node.value in literals:
+                found.append(f"{rel}:{node.lineno}: string {node.value!r}")
+    assert found == []
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Absolute names of every module ``path`` imports (relative imports
+    resolved inside ``vllm_dsv4_backend.workspace``; ``from X import y``
+    counts ``X`` and ``X.y``)."""
+    pkg = ["vllm_dsv4_backend", *path.parent.relative_to(PACKAGE).parts]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = pkg[:len(pkg) - node.level + 1] if node.level else []
+            mod = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            out.add(mod)
+            out.update(f"{mod}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Call) and node.args and \
+                isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            fn = node.func
+            name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+            if name in ("import_module", "__import__"):
+                out.add(node.args[0].value)
+    return out
+
+
+# The layer floor, and DeepSeek-V4's formats (``formats.constants.layer_kind``,
+# the compress ratios the workspace used to validate).
+FORBIDDEN_IMPORTS = ("vllm_dsv4_backend.layer", "vllm_dsv4_backend.formats")
+
+
+def test_workspace_imports_nothing_from_the_layer_floor():
+    found = {}
+    for path in _workspace_sources():
+        bad = sorted(m for m in _imported_modules(path)
+                     if any(m == f or m.startswith(f + ".") for f in FORBIDDEN_IMPORTS))
+        if bad:
+            found[path.relative_to(WORKSPACE).as_posix()] = bad
+    assert found == {}
+    # The resolver itself sees relative and absolute imports.
+    assert "vllm_dsv4_backend.workspace.sizing" in _imported_modules(WORKSPACE / "manager.py")
+    assert "vllm_dsv4_backend.envs" in _imported_modules(WORKSPACE / "manager.py")
+    # And at run time: importing every workspace module loads neither.
+    code = ("import importlib, pkgutil, sys\n"
+            "import vllm_dsv4_backend.workspace as w\n"
+            "for m in pkgutil.iter_modules(w.__path__):\n"
+            "    importlib.import_module('vllm_dsv4_backend.workspace.' + m.name)\n"
+            f"print(sorted(k for k in sys.modules if k.startswith({FORBIDDEN_IMPORTS!r})))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=PACKAGE.parent, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def _cli_tables(out: str) -> dict[str, list[dict[str, str]]]:
+    """The CLI's markdown tables, per platform: one {column: cell} per row."""
+    tables: dict[str, list[dict[str, str]]] = {}
+    platform, head = None, None
+    for line in out.splitlines():
+        m = re.match(r"^(\w+): the layer's lease plan", line)
+        if m:
+            platform, head = m.group(1), None
+            tables[platform] = []
+        elif platform and line.startswith("| TP"):
+            head = [c.strip() for c in line.strip("|").split("|")]
+        elif platform and head and line.startswith("| ") and not line.startswith("|---"):
+            tables[platform].append(
+                dict(zip(head, (c.strip() for c in line.strip("|").split("|")), strict=True)))
+    return tables
+
+
+def test_sizing_cli_and_serving_config_agree_on_bytes(capsys):
+    """One builder: the table ``python -m vllm_dsv4_backend.layer.sizing``
+    prints and the config serving builds (``core.workspace_config`` from a
+    vLLM config and layer) give the same bytes per family, total and #49236
+    pool, for every TP, indexer dtype, policy and platform."""
+    hf_dict = plan.DSV4_FLASH_HF_CONFIG
+    hf = SimpleNamespace(**hf_dict)
+    layer_sizing.main([])
+    tables = _cli_tables(capsys.readouterr().out)
+    assert sorted(tables) == ["cpu", "cuda"]
+    checked = 0
+    for platform, cli_rows in tables.items():
+        rows = layer_sizing.memory_table(platform=platform)
+        assert len(cli_rows) == len(rows) == 3 * 2 * 3
+        for tp in (1, 4, 8):
+            local = hf_dict["num_attention_heads"] // tp
+            layer = SimpleNamespace(max_num_batched_tokens=8192, n_local_heads=local,
+                                    padded_heads=plan.padded_q_heads(local),
+                                    head_dim=hf_dict["head_dim"])
+            ratios = tuple(hf_dict["compress_ratios"][:hf_dict["num_hidden_layers"]])
+            for dtype in constants.INDEXER_KV_DTYPES:
+                cfg = core.workspace_config(_vllm_config(dtype, hf=hf), layer, platform)
+                # Serving's config is the table's, but for the layers it registers.
+                dims, table_ratios = plan.dims_from_hf_config(hf, tp_size=tp)
+                assert table_ratios == ratios
+                assert dataclasses.replace(cfg, layer_kinds=ratios) == \
+                    plan.build_workspace_config(dims, max_num_batched_tokens=8192,
+                                                indexer_kv_dtype=dtype, platform=platform,
+                                                compress_ratios=ratios)
+                pool = layer_sizing.pool49236_bytes(cfg)["total"]
+                for policy in sizing.POLICIES:
+                    wb = sizing.workspace_bytes(cfg, policy, layer_kinds=ratios)
+                    row = next(r for r in rows
+                               if (r["tp"], r["indexer"], r["policy"]) == (tp, dtype, policy))
+                    assert row["families"] == wb.per_family
+                    assert (row["total"], row["pool49236"]) == (wb.total, pool)
+                    cli = next(r for r in cli_rows
+                               if (r["TP"], r["indexer"], r["policy"]) ==
+                               (str(tp), dtype, policy))
+                    assert cli["heads (local/padded)"] == f"{local}/{layer.padded_heads}"
+                    assert float(cli["#49236 pool"].replace(",", "")) == \
+                        pytest.approx(pool / sizing.MIB, abs=0.005)
+                    if policy == "off":
+                        assert cli["**total**"] == "0 (allocator)"
+                        continue
+                    assert [c for c in cli if c in FAMILIES] == list(cfg.family_names)
+                    for f in cfg.family_names:
+                        assert float(cli[f].replace(",", "")) == \
+                            pytest.approx(wb.per_family[f] / sizing.MIB, abs=0.005), (f, cli)
+                    assert float(cli["**total**"].strip("*").replace(",", "")) == \
+                        pytest.approx(wb.total / sizing.MIB, abs=0.005)
+                    checked += 1
+    assert checked == 2 * 3 * 2 * 2
 
 
 def test_num_ubatches():
@@ -152,7 +428,7 @@ def test_step_holder_per_micro_batch(monkeypatch):
     ws.reserve()
     ids = [0]
     monkeypatch.setattr(core, "ubatch_id", lambda: ids[0])
-    holder = core.StepHolder(ws, "layers.0")
+    holder = core.RegionHolder(ws, "layers.0")
     assert holder.current() is None
     with holder.open(4) as s0:
         assert holder.current() is s0 and holder.home() == "cpu"
@@ -170,7 +446,7 @@ def test_step_holder_per_micro_batch(monkeypatch):
 @pytest.mark.parametrize("every", [0, 2])
 def test_model_steps_and_live_summary(monkeypatch, caplog, every):
     """One model step per forward of the first registered layer for
-    micro-batch 0 (``model_step``, not the benchmark's ``begin_step``); the
+    micro-batch 0 (``model_step``); the
     summary every ``VLLM_DSV4_WORKSPACE_LOG_EVERY`` steps (0: never)."""
     monkeypatch.setattr(core, "_managers", {})
     monkeypatch.setenv("VLLM_DSV4_WORKSPACE_LOG_EVERY", str(every))
@@ -183,16 +459,16 @@ def test_model_steps_and_live_summary(monkeypatch, caplog, every):
     ws.reserve()
     ids = [0]
     monkeypatch.setattr(core, "ubatch_id", lambda: ids[0])
-    holders = [core.StepHolder(ws, n, platform="CPU") for n in ("layers.0", "layers.1")]
+    holders = [core.RegionHolder(ws, n, platform="CPU") for n in ("layers.0", "layers.1")]
     caplog.set_level(logging.INFO, logger="vllm_dsv4_backend")
     for _ in range(5):
         for u in (0, 1):
             ids[0] = u
             for h in holders:
-                with h.open(4) as step:
-                    step.lease("q")
+                with h.open(4) as region:
+                    region.lease("q")
     live = ws.live_stats()
-    assert live["steps"] == 5 and ws.stats()["steps"] == 0
+    assert live["steps"] == 5 and "steps" not in ws.stats()
     assert live["leases_total"] == 5 * 2 * 2 and live["leases_per_step"] == 4.0
     assert live["leases_max_per_step"] == 4
     assert live["allocations_total"] == 0

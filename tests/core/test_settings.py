@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from vllm_dsv4_backend import envs, testing
+from vllm_dsv4_backend.layer.plan import Dims, build_workspace_config
 from vllm_dsv4_backend.workspace import (
     POLICIES,
     WorkspaceConfig,
@@ -41,11 +42,10 @@ PATHS = {"VLLM_DSV4_MARKER_DIR"}
 
 
 def _config() -> WorkspaceConfig:
-    return WorkspaceConfig(
-        max_num_batched_tokens=8, num_local_heads=4, padded_q_heads=8, head_dim=64,
-        index_n_heads=4, index_head_dim=128, index_topk=16, indexer_kv_dtype="fp8",
-        compress_ratios=(0, 4),
-    )
+    dims = Dims(num_local_heads=4, padded_q_heads=8, head_dim=64, index_n_heads=4,
+                index_head_dim=128, index_topk=16)
+    return build_workspace_config(dims, max_num_batched_tokens=8, indexer_kv_dtype="fp8",
+                                  compress_ratios=(0, 4))
 
 
 def _sink_layer() -> Any:
@@ -65,7 +65,7 @@ READERS: dict[str, list[Any]] = {
         lambda: resolve_debug(),
     ],
     "VLLM_DSV4_WORKSPACE_LOG_EVERY": [
-        lambda: __import__("vllm_dsv4_backend.layer.core", fromlist=["core"]).StepHolder(
+        lambda: __import__("vllm_dsv4_backend.layer.core", fromlist=["core"]).RegionHolder(
             WorkspaceManager(_config(), policy="shared", debug=False), "layers.0"),
     ],
     "VLLM_DSV4_TEST_UNSAFE_NO_FENCES": [lambda: testing.fences_enabled()],

@@ -24,8 +24,10 @@ import random
 import pytest
 import torch
 
+from vllm_dsv4_backend.layer.plan import Dims, build_workspace_config
 from vllm_dsv4_backend.testing.schedule import (
     STREAM_ROLES,
+    WIDE_PLAN,
     StampKernels,
     enqueue_dsv4_step,
     make_stamp_source,
@@ -49,19 +51,13 @@ def small_config(
     indexer: str = "mxfp4", num_ubatches: int = 2, ratios: tuple[int, ...] = FLASH_RATIOS
 ) -> WorkspaceConfig:
     # Flash's layer types and family structure with small dims, so hundreds
-    # of schedules run in seconds.
-    return WorkspaceConfig(
-        max_num_batched_tokens=T_MAX,
-        num_local_heads=2,
-        padded_q_heads=4,
-        head_dim=16,
-        index_n_heads=2,
-        index_head_dim=128,
-        index_topk=8,
-        indexer_kv_dtype=indexer,
-        compress_ratios=ratios,
-        num_ubatches=num_ubatches,
-    )
+    # of schedules run in seconds; every family of vLLM's wide eager region
+    # (WIDE_PLAN: C4's compressor scratch too, the q family as the output).
+    dims = Dims(num_local_heads=2, padded_q_heads=4, head_dim=16, index_n_heads=2,
+                index_head_dim=128, index_topk=8)
+    return build_workspace_config(dims, max_num_batched_tokens=T_MAX, indexer_kv_dtype=indexer,
+                                  plan=WIDE_PLAN, num_ubatches=num_ubatches,
+                                  compress_ratios=ratios)
 
 
 def sim_streams(num_ubatches: int = 2) -> tuple[SimStreamBackend, list[dict[str, object]]]:

@@ -1,40 +1,62 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Workspace manager: sizing, leases, errors, debug mode, stats, and the
-43-layer DeepSeek-V4-Flash schedule with zero allocations after warm-up."""
+43-layer DeepSeek-V4-Flash schedule with zero allocations after warm-up.
+
+The workspace is model-agnostic; DeepSeek-V4's families come from the layer
+floor's one builder (``layer.plan.build_workspace_config``). The mechanism's
+tests lease every family each layer kind can use, with the padded q
+(``EVERY_FAMILY_PLAN``: the sizing before lease plans, given explicitly)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
+from typing import Any
 
 import pytest
 import torch
 
+from vllm_dsv4_backend.layer.plan import (
+    DSV4_FLASH_HF_CONFIG,
+    LEASE_PLAN,
+    Dims,
+    build_workspace_config,
+    dims_from_hf_config,
+    family_views,
+    padded_q_heads,
+)
+from vllm_dsv4_backend.layer.sizing import (
+    format_memory_table,
+    main,
+    memory_table,
+    pool49236_bytes,
+)
+from vllm_dsv4_backend.testing.schedule import WIDE_PLAN
 from vllm_dsv4_backend.workspace import (
-    FAMILIES,
+    BufferSpec,
+    FamilySpec,
     WorkspaceCapacityError,
     WorkspaceConfig,
     WorkspaceLeaseError,
     WorkspaceManager,
     count_allocations,
-    memory_table,
-    padded_q_heads,
-    pool49236_bytes,
+    plan_layout,
     resolve_debug,
     resolve_policy,
     workspace_bytes,
 )
-from vllm_dsv4_backend.workspace.sizing import (
-    DSV4_FLASH_HF_CONFIG,
-    MIB,
-    Layout,
-    Slot,
-    format_memory_table,
-    layer_families,
-    main,
-)
+from vllm_dsv4_backend.workspace.sizing import MIB, Layout, Slot
 
 FLASH_RATIOS = (0, 0) + (4, 128) * 20 + (4,)
+FAMILIES = ("q", "indexer_q", "topk", "compressor")
+
+# Every family each layer kind can use (C4's compressor scratch included) and
+# every view, with the padded q as the q family: what sizing reserved before
+# lease plans (include_q, no attention output), now an explicit plan.
+EVERY_FAMILY_PLAN = {kind: {**fams, "q": ("q",)} for kind, fams in WIDE_PLAN.items()}
+# The same with the attention output beside the padded q (include_attn_out).
+WITH_ATTN_OUT_PLAN = {kind: {**fams, "q": ("q", "out")} for kind, fams in WIDE_PLAN.items()}
 
 
 @pytest.fixture(autouse=True)
@@ -46,14 +68,20 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-def flash(tokens: int = 8192, tp: int = 4, indexer: str = "mxfp4", **kw) -> WorkspaceConfig:
-    return WorkspaceConfig.from_hf_config(
-        DSV4_FLASH_HF_CONFIG,
-        max_num_batched_tokens=tokens,
-        tp_size=tp,
-        indexer_kv_dtype=indexer,
-        **kw,
-    )
+def flash(
+    tokens: int = 8192,
+    tp: int = 4,
+    indexer: str = "mxfp4",
+    *,
+    plan: Any = EVERY_FAMILY_PLAN,
+    num_ubatches: int = 1,
+    kernel: str = "flashmla",
+    padded_heads: int | None = None,
+    hf: Any = DSV4_FLASH_HF_CONFIG,
+) -> WorkspaceConfig:
+    dims, ratios = dims_from_hf_config(hf, tp_size=tp, kernel=kernel, padded_heads=padded_heads)
+    return build_workspace_config(dims, max_num_batched_tokens=tokens, indexer_kv_dtype=indexer,
+                                  plan=plan, num_ubatches=num_ubatches, compress_ratios=ratios)
 
 
 class HFConfig:
@@ -80,45 +108,73 @@ def test_padded_q_heads_rule():
 
 
 @pytest.mark.parametrize("tp,local", [(1, 64), (2, 32), (4, 16), (8, 8)])
-def test_from_hf_config_flash_tp(tp, local):
+def test_dims_from_hf_config_flash_tp(tp, local):
     for hf in (DSV4_FLASH_HF_CONFIG, HFConfig(**DSV4_FLASH_HF_CONFIG)):
-        cfg = WorkspaceConfig.from_hf_config(
-            hf, max_num_batched_tokens=8192, tp_size=tp, indexer_kv_dtype="fp8", num_ubatches=1
-        )
-        assert cfg.num_local_heads == local
-        assert cfg.padded_q_heads == 64
-        assert (cfg.head_dim, cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk) == (
+        dims, ratios = dims_from_hf_config(hf, tp_size=tp)
+        assert dims == Dims(num_local_heads=local, padded_q_heads=64)
+        assert dims.num_local_heads == local
+        assert dims.padded_q_heads == 64
+        assert (dims.head_dim, dims.index_n_heads, dims.index_head_dim, dims.index_topk) == (
             512, 64, 128, 512
         )
         # 44 entries in the HF config (MTP last); the 43 layers are kept.
-        assert cfg.compress_ratios == FLASH_RATIOS
-    assert flash(tp=tp, padded_heads=local).padded_q_heads == local
-    assert flash(tp=tp, kernel="torch").padded_q_heads == local
+        assert ratios == FLASH_RATIOS
+        cfg = flash(tp=tp, indexer="fp8", hf=hf)
+        assert cfg.layer_kinds == FLASH_RATIOS
+        assert cfg.max_num_batched_tokens == 8192 and cfg.num_ubatches == 1
+        assert dict(cfg.params) == {**dataclasses.asdict(dims), "indexer_kv_dtype": "fp8",
+                                    "plan": "custom"}
+    assert flash(tp=tp, padded_heads=local).params["padded_q_heads"] == local
+    assert flash(tp=tp, kernel="torch").params["padded_q_heads"] == local
 
 
-def test_from_hf_config_errors():
+def test_dims_and_config_errors():
     with pytest.raises(ValueError, match="tp_size"):
         flash(tp=3)
     bad = dict(DSV4_FLASH_HF_CONFIG)
     del bad["index_topk"]
     with pytest.raises(ValueError, match="index_topk"):
-        WorkspaceConfig.from_hf_config(
-            bad, max_num_batched_tokens=8, tp_size=1, indexer_kv_dtype="fp8"
-        )
+        dims_from_hf_config(bad, tp_size=1)
+    short = {**DSV4_FLASH_HF_CONFIG, "compress_ratios": [0, 4]}
+    with pytest.raises(ValueError, match="compress_ratios"):
+        dims_from_hf_config(short, tp_size=1)
     with pytest.raises(ValueError, match="indexer_kv_dtype"):
         flash(indexer="nvfp4")
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         flash(tokens=0)
+    with pytest.raises(ValueError, match="num_ubatches"):
+        flash(num_ubatches=0)
     with pytest.raises(ValueError, match="padded_q_heads"):
         flash(tp=1, padded_heads=32)
+    with pytest.raises(ValueError, match="index_head_dim"):
+        build_workspace_config(Dims(4, 4, index_head_dim=48), max_num_batched_tokens=8,
+                               indexer_kv_dtype="mxfp4")
+    for field in ("num_local_heads", "head_dim", "index_topk"):
+        with pytest.raises(ValueError, match=field):
+            Dims(**{"num_local_heads": 4, "padded_q_heads": 4, field: 0})
     with pytest.raises(ValueError, match="compress_ratio"):
-        WorkspaceConfig(8, 4, 4, compress_ratios=(0, -4))
+        build_workspace_config(Dims(4, 4), max_num_batched_tokens=8, indexer_kv_dtype="fp8",
+                               compress_ratios=(0, -4))
 
 
 def test_layer_families_by_type():
-    assert layer_families(0) == layer_families(1) == ("q",)
-    assert layer_families(4) == ("q", "indexer_q", "topk", "compressor")
-    assert layer_families(128) == ("q", "compressor")
+    every = flash(plan=EVERY_FAMILY_PLAN)
+    assert every.layer_families(0) == every.layer_families(1) == ("q",)
+    assert every.layer_families(4) == ("q", "indexer_q", "topk", "compressor")
+    assert every.layer_families(128) == ("q", "compressor")
+    # The layers' own plans: CUDA's C128 keeps its compressor scratch, CPU none;
+    # neither C4 layer leases compressor scratch.
+    for platform, c128 in (("cuda", ("q", "compressor")), ("cpu", ("q",))):
+        dims, ratios = dims_from_hf_config(DSV4_FLASH_HF_CONFIG, tp_size=4)
+        cfg = build_workspace_config(dims, max_num_batched_tokens=8, indexer_kv_dtype="fp8",
+                                     platform=platform, compress_ratios=ratios)
+        assert cfg.layer_families(0) == cfg.layer_families(1) == ("q",)
+        assert cfg.layer_families(4) == ("q", "indexer_q", "topk")
+        assert cfg.layer_families(128) == c128
+        assert cfg.params["plan"] == platform
+    for bad in (16, 2, -4, True, "4"):
+        with pytest.raises(ValueError, match=r"layer kind: expected one of \[0, 1, 4, 128\]"):
+            every.layer_families(bad)
 
 
 def test_family_views_and_bytes_flash_t8192():
@@ -137,13 +193,31 @@ def test_family_views_and_bytes_flash_t8192():
     assert fp8.slot_bytes("indexer_q") == t * 64 * 128 + t * 64 * 4 == 66 * MIB
     assert fp4.slot_bytes("topk") == 2 * t * 512 * 4 + t * 4
     assert fp4.slot_bytes("compressor") == t * 512 * 4 == 16 * MIB
-    assert flash(include_attn_out=True).slot_bytes("q") == 1024 * MIB
+    assert flash(plan=WITH_ATTN_OUT_PLAN).slot_bytes("q") == 1024 * MIB
+    # family_views lists every view; the config reserves those of the plan.
+    dims, _ = dims_from_hf_config(DSV4_FLASH_HF_CONFIG, tp_size=4)
+    for dt, cfg in (("fp8", fp8), ("mxfp4", fp4)):
+        every = family_views(dims, dt)
+        assert tuple(every) == FAMILIES == cfg.family_names
+        assert every["q"] == (BufferSpec("q", (64, 512), torch.bfloat16),
+                              BufferSpec("out", (64, 512), torch.bfloat16))
+        assert cfg.family_buffers("q") == every["q"][:1]
+        for f in FAMILIES[1:]:
+            assert cfg.family_buffers(f) == every[f], f
+    with pytest.raises(ValueError, match="family: expected one of"):
+        fp8.family_buffers("kv")
 
 
 def test_pool49236_figures():
     # The revert thread's numbers: 512 MiB padded q at TP4 + 36 MiB aux.
     p = pool49236_bytes(flash(tp=4))
     assert p == {"q": 512 * MIB, "aux": 36 * MIB, "total": 548 * MIB}
+    # The pool depends on the model's dims only, not on what a plan reserves.
+    for platform in LEASE_PLAN:
+        dims, _ = dims_from_hf_config(DSV4_FLASH_HF_CONFIG, tp_size=4)
+        cfg = build_workspace_config(dims, max_num_batched_tokens=8192,
+                                     indexer_kv_dtype="fp8", platform=platform)
+        assert pool49236_bytes(cfg) == p
 
 
 @pytest.mark.parametrize("tp", [1, 4, 8])
@@ -153,6 +227,7 @@ def test_shared_within_115_percent_of_pool49236(tp, indexer):
     wb = workspace_bytes(cfg, "shared")
     pool = pool49236_bytes(cfg)["total"]
     # Aux families are summed (they run concurrently), still within budget.
+    assert cfg.family_names == FAMILIES
     assert wb.total == sum(cfg.slot_bytes(f) for f in FAMILIES)
     assert wb.total <= 1.15 * pool, (wb.total / MIB, pool / MIB)
 
@@ -179,31 +254,88 @@ def test_memory_table_and_cli(capsys):
     assert len(rows) == 3 * 2 * 3
     r = next(r for r in rows if (r["tp"], r["indexer"], r["policy"]) == (4, "mxfp4", "shared"))
     assert r["pool49236"] == 548 * MIB
-    assert r["total"] == r["q"] + r["indexer_q"] + r["topk"] + r["compressor"]
+    # CUDA's plan: every family, no topk.local, no C4 scratch.
+    assert set(r["families"]) == set(FAMILIES)
+    assert r["total"] == sum(r["families"].values())
+    assert r["total"] == r["families"]["q"] + r["families"]["indexer_q"] + \
+        r["families"]["topk"] + r["families"]["compressor"]
     assert abs(r["ratio"] - r["total"] / (548 * MIB)) < 1e-12
     text = format_memory_table(rows)
     assert "| 4 | 16/64 | mxfp4 | shared |" in text
+    # Only the families the platform's plan reserves get a column: CPU has no
+    # compressor scratch.
+    cpu = memory_table(platform="cpu", tp_sizes=(4,))
+    assert {f for r in cpu for f in r["families"]} == {"q", "indexer_q", "topk"}
+    assert "compressor" not in format_memory_table(cpu)
+    with pytest.raises(ValueError, match="platform"):
+        memory_table(platform="tpu")
     main(["--tp", "4"])
     out = capsys.readouterr().out
     assert "548.00" in out and "shared" in out
+    # The pre-plan mode is gone from the CLI.
+    with pytest.raises(SystemExit):
+        main(["--platform", "all-families"])
+    capsys.readouterr()
+
+
+# --- a workspace for any model --------------------------------------------------------------
+
+
+def test_workspace_config_is_model_agnostic():
+    """Families and kinds are the caller's: a made-up model's two families,
+    string kinds and labels lease, size and fail like DeepSeek-V4's."""
+    a = FamilySpec("a", (BufferSpec("x", (3,), torch.float32), BufferSpec("y", (), torch.int32)))
+    b = FamilySpec("b", (BufferSpec("z", (2, 2), torch.bfloat16),))
+    cfg = WorkspaceConfig(max_num_batched_tokens=10, families=(a, b),
+                          kinds={"dense": ("b", "a"), "light": ("a",)},
+                          layer_kinds=("dense", "light", "light"),
+                          kind_labels={"dense": "DENSE"}, params={"model": "toy"})
+    assert cfg.family_names == ("a", "b")
+    assert cfg.layer_families("dense") == ("a", "b")  # storage order
+    assert cfg.kind_label("dense") == "DENSE" and cfg.kind_label("light") == "light"
+    assert cfg.slot_bytes("a") == 256 + 256 and cfg.slot_bytes("b") == 256
+    assert workspace_bytes(cfg, "shared").per_family == {"a": 512, "b": 256}
+    assert workspace_bytes(cfg, "private").total == 3 * 512 + 256
+    assert plan_layout(cfg, ("light",), "private").total_bytes == 512
+    mgr = WorkspaceManager(cfg, policy="shared")
+    assert mgr.layers == {"layers.0": "dense", "layers.1": "light", "layers.2": "light"}
+    mgr.add_layer("extra", "light")
+    mgr.reserve()
+    with mgr.lease("layers.0", "b", 4) as ls:
+        assert ls["z"].shape == (4, 2, 2) and ls["z"].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="'layers.1' \\(light\\) has no 'b' workspace"):
+        mgr.lease("layers.1", "b", 1)
+    with pytest.raises(ValueError, match="family: expected one of \\('a', 'b'\\)"):
+        mgr.lease("layers.1", "q", 1)
+    # The config's own validation.
+    with pytest.raises(ValueError, match="unique"):
+        WorkspaceConfig(4, (a, a), {})
+    with pytest.raises(ValueError, match="with views"):
+        WorkspaceConfig(4, (FamilySpec("e", ()),), {})
+    with pytest.raises(ValueError, match="unknown families \\['c'\\]"):
+        WorkspaceConfig(4, (a,), {"k": ("a", "c")})
+    with pytest.raises(ValueError, match="layer kind: expected one of \\['k'\\]"):
+        WorkspaceConfig(4, (a,), {"k": ("a",)}, layer_kinds=("k", "m"))
+    with pytest.raises(ValueError, match="layer kind"):
+        WorkspaceConfig(4, (a,), {"k": ("a",)}).check_kind([])  # unhashable
+    with pytest.raises(TypeError):
+        cfg.params["model"] = "other"  # read-only
 
 
 # --- manager: leases and errors ---------------------------------------------------------
 
 
-def small(tokens: int = 32, indexer: str = "mxfp4", **kw) -> WorkspaceConfig:
-    return WorkspaceConfig(
-        max_num_batched_tokens=tokens,
-        num_local_heads=4,
-        padded_q_heads=8,
-        head_dim=64,
-        index_n_heads=4,
-        index_head_dim=128,
-        index_topk=16,
-        indexer_kv_dtype=indexer,
-        compress_ratios=kw.pop("compress_ratios", (0, 4, 128, 4)),
-        **kw,
-    )
+def small(
+    tokens: int = 32,
+    indexer: str = "mxfp4",
+    compress_ratios: tuple[int, ...] = (0, 4, 128, 4),
+    num_ubatches: int = 1,
+) -> WorkspaceConfig:
+    dims = Dims(num_local_heads=4, padded_q_heads=8, head_dim=64, index_n_heads=4,
+                index_head_dim=128, index_topk=16)
+    return build_workspace_config(dims, max_num_batched_tokens=tokens, indexer_kv_dtype=indexer,
+                                  plan=EVERY_FAMILY_PLAN, num_ubatches=num_ubatches,
+                                  compress_ratios=compress_ratios)
 
 
 @pytest.mark.parametrize("policy", ["shared", "private", "off"])
@@ -214,7 +346,7 @@ def test_lease_views_shapes_dtypes(policy, indexer):
     mgr.reserve()
     assert mgr.stats()["reserved_bytes_total"] == workspace_bytes(cfg, policy).total
     for name, ratio in mgr.layers.items():
-        for fam in layer_families(ratio):
+        for fam in cfg.layer_families(ratio):
             with mgr.lease(name, fam, 5) as ls:
                 for spec in cfg.family_buffers(fam):
                     v = ls[spec.name]
@@ -291,9 +423,9 @@ def test_lease_argument_errors():
         mgr.lease("layers.9", "q", 1)
     with pytest.raises(ValueError, match="family"):
         mgr.lease("layers.0", "kv", 1)
-    with pytest.raises(ValueError, match="no 'topk' workspace"):
+    with pytest.raises(ValueError, match=r"'layers.2' \(C128\) has no 'topk' workspace"):
         mgr.lease("layers.2", "topk", 1)  # C128: no indexer
-    with pytest.raises(ValueError, match="no 'compressor' workspace"):
+    with pytest.raises(ValueError, match=r"'layers.0' \(SWA\) has no 'compressor' workspace"):
         mgr.lease("layers.0", "compressor", 1)  # SWA-only
     with pytest.raises(ValueError, match="ubatch"):
         mgr.lease("layers.0", "q", 1, ubatch=1)
@@ -302,6 +434,12 @@ def test_lease_argument_errors():
             mgr.lease("layers.0", "q", bad)
     with pytest.raises(WorkspaceLeaseError, match="already reserved"):
         mgr.add_layer("layers.4", 4)
+    unreserved = WorkspaceManager(small(), policy="shared")
+    for bad in (16, 2, True, "4", None):
+        with pytest.raises(ValueError, match=r"layer kind: expected one of \[0, 1, 4, 128\]"):
+            unreserved.add_layer("layers.9", bad)
+    with pytest.raises(ValueError, match="layer kind"):
+        WorkspaceManager(small(), [("a", 0), ("b", 16)])
     with pytest.raises(ValueError, match="policy"):
         WorkspaceManager(small(), policy="pool")
     with pytest.raises(ValueError, match="already registered"):
@@ -337,8 +475,10 @@ def test_add_layer_then_reserve():
     mgr.reserve()
     mgr.reserve()  # idempotent
     assert mgr.layer_families("model.layers.2.self_attn") == ("q", "compressor")
+    assert mgr.layers == {"model.layers.0.self_attn": 0, "model.layers.1.self_attn": 4,
+                          "model.layers.2.self_attn": 128}
     assert mgr.stats()["reserved_bytes_total"] == workspace_bytes(
-        mgr.config, "shared", compress_ratios=(0, 4, 128)
+        mgr.config, "shared", layer_kinds=(0, 4, 128)
     ).total
 
 
@@ -406,9 +546,7 @@ STATS_KEYS = {
     "policy", "debug", "fences_enabled", "device", "num_ubatches", "max_num_batched_tokens",
     "shared_slots", "num_layers", "reserved", "reserved_bytes_total",
     "reserved_bytes_per_family", "reserved_bytes_per_layer", "num_slots", "leases_total",
-    "leases_this_step", "leases_last_step", "leased_bytes_now", "peak_leased_bytes",
-    "fence_waits_total", "fence_waits_last_step", "allocations_total",
-    "allocations_this_step", "allocations_last_step", "counted_allocations_last_step", "steps",
+    "leased_bytes_now", "peak_leased_bytes", "fence_waits_total", "allocations_total",
 }
 
 
@@ -430,7 +568,8 @@ def test_stats(policy):
     else:
         assert set(per_layer.values()) == {0}
 
-    with mgr.step(count_allocations=True):
+    mgr.model_step()
+    with count_allocations() as c:
         a = mgr.lease("layers.1", "q", 10)
         b = mgr.lease("layers.1", "topk", 4)
         peak = a.nbytes + b.nbytes
@@ -438,21 +577,19 @@ def test_stats(policy):
         a.release()
         b.release()
         mgr.lease("layers.3", "compressor", 32).release()
-    s = mgr.stats()
-    assert s["leases_last_step"] == 3 and s["leases_total"] == 3 and s["steps"] == 1
+    mgr.model_step()
+    s, live = mgr.stats(), mgr.live_stats()
+    assert s["leases_total"] == 3 and live["leases_max_per_step"] == 3 and live["steps"] == 2
     assert s["leased_bytes_now"] == 0
     assert s["peak_leased_bytes"] == max(peak, cfg.slot_bytes("compressor"))
     assert a.nbytes == 10 * 8 * 64 * 2
     # off: one tensor per view (q: 1, topk: 3, compressor: 1); else none.
-    assert s["allocations_last_step"] == (5 if policy == "off" else 0)
-    assert s["counted_allocations_last_step"] == s["allocations_last_step"]
+    assert s["allocations_total"] == live["allocations_max_per_step"] == \
+        (5 if policy == "off" else 0)
+    assert c.count == s["allocations_total"]  # the manager's count is every allocation
     assert s["fence_waits_total"] == 0  # CPU: one implicit stream
-    with mgr.step():
-        pass
-    assert mgr.stats()["counted_allocations_last_step"] is None
-    assert mgr.stats()["leases_last_step"] == 0
-    with pytest.raises(WorkspaceLeaseError):
-        mgr.end_step()
+    mgr.model_step()
+    assert mgr.live_stats()["leases_total"] == 3  # an empty step adds nothing
 
 
 # --- the 43-layer DeepSeek-V4-Flash schedule ------------------------------------------------
@@ -465,15 +602,14 @@ def _run_flash_schedule(
     max) through every layer's leases. Returns (allocations after warm-up,
     steps checked, manager)."""
     t_max = 48
-    cfg = WorkspaceConfig.from_hf_config(
-        DSV4_FLASH_HF_CONFIG,
-        max_num_batched_tokens=t_max,
-        tp_size=8,
-        indexer_kv_dtype="mxfp4",
+    cfg = flash(
+        tokens=t_max,
+        tp=8,
+        indexer="mxfp4",
         kernel="torch",  # 8 heads unpadded keeps the test fast; layout is the same
     )
     names = [f"model.layers.{i}.self_attn" for i in range(43)]
-    mgr = WorkspaceManager(cfg, list(zip(names, cfg.compress_ratios)), policy=policy)
+    mgr = WorkspaceManager(cfg, list(zip(names, cfg.layer_kinds)), policy=policy)
     mgr.reserve()
     rng = random.Random(0)
     gen = torch.Generator().manual_seed(0)
@@ -489,7 +625,8 @@ def _run_flash_schedule(
                 else:
                     x = torch.randint(-1000, 1000, shape, generator=gen).to(spec.dtype)
                 src[(name, fam, spec.name)] = x
-    outs = {n: torch.empty(t_max, cfg.padded_q_heads, dtype=torch.float32) for n in names}
+    outs = {n: torch.empty(t_max, cfg.params["padded_q_heads"], dtype=torch.float32)
+            for n in names}
 
     steps = [8] * decode_steps + [rng.randint(1, t_max) for _ in range(mixed_steps)]
     steps += [t_max, 1, t_max]
@@ -498,36 +635,37 @@ def _run_flash_schedule(
     ptrs: dict[tuple[str, str, str, int], int] = {}
     for step, t in enumerate(steps):
         step_allocs = 0
-        with mgr.step():
-            for name in names:
-                fams = mgr.layer_families(name)
-                with count_allocations() as c:  # the layer's eager region
-                    leases = {f: mgr.lease(name, f, t) for f in fams}
-                    for f, ls in leases.items():
-                        for vname, v in ls.views.items():
-                            v.copy_(src[(name, f, vname)][:t])  # producer
-                    q = leases["q"]["q"]
-                    torch.sum(q, dim=-1, dtype=torch.float32, out=outs[name][:t])  # consumer
-                step_allocs += c.count
-                # Correct contents: every family of the layer is live at once and
-                # each view holds exactly what its producer wrote.
+        leases_before = mgr.stats()["leases_total"]
+        for name in names:
+            fams = mgr.layer_families(name)
+            with count_allocations() as c:  # the layer's eager region
+                leases = {f: mgr.lease(name, f, t) for f in fams}
                 for f, ls in leases.items():
                     for vname, v in ls.views.items():
-                        ref = src[(name, f, vname)][:t]
-                        assert torch.equal(v.view(torch.uint8), ref.view(torch.uint8)), \
-                            (step, name, f, vname)
-                        if policy != "off":  # stable address for the same T
-                            key = (name, f, vname, t)
-                            assert ptrs.setdefault(key, v.data_ptr()) == v.data_ptr()
-                ref_sum = src[(name, "q", "q")][:t].sum(dim=-1, dtype=torch.float32)
-                torch.testing.assert_close(outs[name][:t], ref_sum, rtol=2e-2, atol=2e-1)
-                with count_allocations() as c:
-                    for ls in leases.values():
-                        ls.release()
-                step_allocs += c.count
+                        v.copy_(src[(name, f, vname)][:t])  # producer
+                q = leases["q"]["q"]
+                torch.sum(q, dim=-1, dtype=torch.float32, out=outs[name][:t])  # consumer
+            step_allocs += c.count
+            # Correct contents: every family of the layer is live at once and
+            # each view holds exactly what its producer wrote.
+            for f, ls in leases.items():
+                for vname, v in ls.views.items():
+                    ref = src[(name, f, vname)][:t]
+                    assert torch.equal(v.view(torch.uint8), ref.view(torch.uint8)), \
+                        (step, name, f, vname)
+                    if policy != "off":  # stable address for the same T
+                        key = (name, f, vname, t)
+                        assert ptrs.setdefault(key, v.data_ptr()) == v.data_ptr()
+            ref_sum = src[(name, "q", "q")][:t].sum(dim=-1, dtype=torch.float32)
+            torch.testing.assert_close(outs[name][:t], ref_sum, rtol=2e-2, atol=2e-1)
+            with count_allocations() as c:
+                for ls in leases.values():
+                    ls.release()
+            step_allocs += c.count
         if step >= warmup:
             allocs_after_warmup += step_allocs
-        assert mgr.stats()["leases_last_step"] == sum(len(mgr.layer_families(n)) for n in names)
+        assert mgr.stats()["leases_total"] - leases_before == \
+            sum(len(mgr.layer_families(n)) for n in names)
     return allocs_after_warmup, len(steps), mgr, ptrs
 
 
@@ -537,7 +675,7 @@ def test_flash_43_layers_zero_allocations(policy):
     assert nsteps >= 50
     assert allocs == 0
     s = mgr.stats()
-    assert s["allocations_total"] == 0 and s["steps"] == nsteps
+    assert s["allocations_total"] == 0
     q_ptrs = {p for (n, f, v, t), p in ptrs.items() if f == "q" and t == 8}
     if policy == "shared":
         assert s["num_slots"] == 4
@@ -551,4 +689,4 @@ def test_flash_43_layers_off_policy_allocates():
     # The baseline really allocates, so the zero above is a measurement.
     allocs, nsteps, mgr, _ = _run_flash_schedule("off", decode_steps=4, mixed_steps=2)
     assert allocs >= (nsteps - 3) * 43
-    assert mgr.stats()["allocations_last_step"] > 0
+    assert mgr.stats()["allocations_total"] >= nsteps * 43

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 from collections.abc import Iterator
@@ -26,53 +27,61 @@ import pytest
 import torch
 
 from vllm_dsv4_backend import eager
+from vllm_dsv4_backend.layer.plan import (
+    DSV4_FLASH_HF_CONFIG,
+    Dims,
+    build_workspace_config,
+    dims_from_hf_config,
+)
+from vllm_dsv4_backend.testing.schedule import WIDE_PLAN
 from vllm_dsv4_backend.workspace import (
-    FAMILIES,
     WorkspaceBudgetError,
     WorkspaceCapacityError,
     WorkspaceConfig,
     WorkspaceManager,
     count_allocations,
-    layer_families,
     plan_layout,
     private_fit_tokens,
     reserve_budget_bytes,
     workspace_bytes,
 )
-from vllm_dsv4_backend.workspace.sizing import DSV4_FLASH_HF_CONFIG
 
 MNBT = 24
 # SWA, C4, C128, C4, and an MTP-style drafter layer (compress_ratio 1: q only).
 RATIOS = (0, 4, 128, 4, 1)
+FAMILIES = ("q", "indexer_q", "topk", "compressor")
 LAYER_OF = {"q": "layers.0", "indexer_q": "layers.1", "topk": "layers.1",
             "compressor": "layers.2"}
 
-# The q family's three shapes: the padded q only (default), q + attention
-# output, and the output only (how both vLLM layers build it).
-Q_LAYOUTS = [
-    {"include_q": True, "include_attn_out": False},
-    {"include_q": True, "include_attn_out": True},
-    {"include_q": False, "include_attn_out": True},
-]
+# The q family's three shapes: the padded q only, q + attention output, and
+# the output only (how both vLLM layers build it). Every other family of
+# every layer kind (C4's compressor scratch included), every view: an
+# explicit lease plan (``WIDE_PLAN`` with the q views swapped).
+Q_LAYOUTS: list[tuple[str, ...]] = [("q",), ("q", "out"), ("out",)]
+
+
+def plan(q: tuple[str, ...] = ("q",)) -> dict[str, dict[str, tuple[str, ...]]]:
+    return {kind: {**fams, "q": q} for kind, fams in WIDE_PLAN.items()}
 
 
 def config(
-    dtype: str = "fp8", ubatches: int = 1, tokens: int = MNBT, **q: bool
+    dtype: str = "fp8", ubatches: int = 1, tokens: int = MNBT, q: tuple[str, ...] = ("q",)
 ) -> WorkspaceConfig:
-    return WorkspaceConfig(
-        max_num_batched_tokens=tokens, num_local_heads=4, padded_q_heads=8, head_dim=64,
-        index_n_heads=4, index_head_dim=64, index_topk=16, indexer_kv_dtype=dtype,
-        compress_ratios=RATIOS, num_ubatches=ubatches, **q,
-    )
+    dims = Dims(num_local_heads=4, padded_q_heads=8, head_dim=64, index_n_heads=4,
+                index_head_dim=64, index_topk=16)
+    return build_workspace_config(dims, max_num_batched_tokens=tokens, indexer_kv_dtype=dtype,
+                                  plan=plan(q), num_ubatches=ubatches, compress_ratios=RATIOS)
 
 
-def manager(policy: str, dtype: str = "fp8", ubatches: int = 1, **q: bool) -> WorkspaceManager:
-    mgr = WorkspaceManager(config(dtype, ubatches, **q), policy=policy, debug=False)
+def manager(
+    policy: str, dtype: str = "fp8", ubatches: int = 1, q: tuple[str, ...] = ("q",)
+) -> WorkspaceManager:
+    mgr = WorkspaceManager(config(dtype, ubatches, q=q), policy=policy, debug=False)
     mgr.reserve()
     return mgr
 
 
-def cases() -> Iterator[tuple[str, str, dict[str, bool]]]:
+def cases() -> Iterator[tuple[str, str, tuple[str, ...]]]:
     for dtype in ("fp8", "mxfp4"):
         for fam in FAMILIES:
             for q in (Q_LAYOUTS if fam == "q" else Q_LAYOUTS[:1]):
@@ -80,7 +89,7 @@ def cases() -> Iterator[tuple[str, str, dict[str, bool]]]:
 
 
 CASES = list(cases())
-IDS = [f"{d}-{f}-" + "+".join(k[8:] for k, v in q.items() if v) for d, f, q in CASES]
+IDS = [f"{d}-{f}-" + "+".join(q) for d, f, q in CASES]
 
 
 def _needed(cfg: WorkspaceConfig, family: str, tokens: int) -> int:
@@ -90,8 +99,10 @@ def _needed(cfg: WorkspaceConfig, family: str, tokens: int) -> int:
 @pytest.mark.parametrize("policy", ["shared", "private", "off"])
 @pytest.mark.parametrize(("dtype", "family", "q"), CASES, ids=IDS)
 def test_more_tokens_than_reserved_is_refused_with_bytes(policy, dtype, family, q):
-    mgr = manager(policy, dtype, **q)
+    mgr = manager(policy, dtype, q=q)
     cfg = mgr.config
+    assert cfg.family_names == FAMILIES
+    assert [s.name for s in cfg.family_buffers("q")] == list(q)
     layer = LAYER_OF[family]
     storage = None if mgr.storage is None else (mgr.storage.data_ptr(), mgr.storage.numel())
     mgr.lease(layer, family, MNBT).release()  # the bound itself is served
@@ -127,11 +138,11 @@ def test_more_tokens_than_reserved_is_refused_with_bytes(policy, dtype, family, 
 def test_more_micro_batches_than_reserved_is_refused_with_bytes(
     policy, ubatches, dtype, family, q
 ):
-    mgr = manager(policy, dtype, ubatches, **q)
+    mgr = manager(policy, dtype, ubatches, q=q)
     cfg = mgr.config
     layer = LAYER_OF[family]
     per_ubatch = 0 if policy == "off" else cfg.slot_bytes(family) * (
-        1 if policy == "shared" else sum(family in layer_families(r) for r in RATIOS))
+        1 if policy == "shared" else sum(family in cfg.layer_families(r) for r in RATIOS))
     for u in range(ubatches):
         mgr.lease(layer, family, MNBT, ubatch=u).release()
     for u in (ubatches, ubatches + 3):
@@ -154,20 +165,20 @@ def test_more_micro_batches_than_reserved_is_refused_with_bytes(
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_step_over_the_bound_holds_nothing(family):
-    """Through eager.Step (how both layers lease): the refused family is not held
+    """Through eager.Region (how both layers lease): the refused family is not held
     and the step's slot is free for the next step."""
-    mgr = manager("shared", "mxfp4", include_attn_out=True)
+    mgr = manager("shared", "mxfp4", q=("q", "out"))
     layer = LAYER_OF[family]
     with pytest.raises(WorkspaceCapacityError, match=repr(family)), \
-            eager.Step(mgr, layer, MNBT + 1) as step:
-        step.lease(family)
-    assert step.held() == ()
+            eager.Region(mgr, layer, MNBT + 1) as region:
+        region.lease(family)
+    assert region.held() == ()
     with pytest.raises(WorkspaceCapacityError, match="ubatch 1"), \
-            eager.Step(mgr, layer, MNBT, ubatch=1) as step:
-        step.lease(family)
-    assert step.held() == ()
-    with eager.Step(mgr, layer, MNBT) as step:
-        step.lease(family)
+            eager.Region(mgr, layer, MNBT, ubatch=1) as region:
+        region.lease(family)
+    assert region.held() == ()
+    with eager.Region(mgr, layer, MNBT) as region:
+        region.lease(family)
     assert mgr.stats()["leased_bytes_now"] == 0
 
 
@@ -176,7 +187,7 @@ def test_step_over_the_bound_holds_nothing(family):
 def test_reservation_covers_the_worst_case_lease(policy, dtype):
     """Every view of a max_num_batched_tokens lease of every layer, family and
     micro-batch lies inside its own slot, and slots do not overlap."""
-    mgr = manager(policy, dtype, ubatches=2, include_attn_out=True)
+    mgr = manager(policy, dtype, ubatches=2, q=("q", "out"))
     base = mgr.storage.data_ptr()
     end = base + mgr.storage.numel()
     for (layer, family, u), slot in mgr._lookup.items():
@@ -195,10 +206,10 @@ def test_reservation_covers_the_worst_case_lease(policy, dtype):
 
 
 def flash_private(tokens: int = 8192, ubatches: int = 1) -> WorkspaceManager:
-    cfg = WorkspaceConfig.from_hf_config(
-        DSV4_FLASH_HF_CONFIG, max_num_batched_tokens=tokens, tp_size=1,
-        indexer_kv_dtype="fp8", num_ubatches=ubatches, include_attn_out=True, include_q=False,
-    )
+    dims, ratios = dims_from_hf_config(DSV4_FLASH_HF_CONFIG, tp_size=1)
+    cfg = build_workspace_config(dims, max_num_batched_tokens=tokens, indexer_kv_dtype="fp8",
+                                 plan=plan(("out",)), num_ubatches=ubatches,
+                                 compress_ratios=ratios)
     return WorkspaceManager(cfg, policy="private", debug=False)
 
 
@@ -212,8 +223,8 @@ def test_private_over_budget_is_refused_at_reserve_with_the_alternatives():
     msg = str(ei.value)
     assert isinstance(ei.value, ValueError)
     cfg = mgr.config
-    c4 = sum(cfg.slot_bytes(f) for f in layer_families(4))
-    c128 = sum(cfg.slot_bytes(f) for f in layer_families(128))
+    c4 = sum(cfg.slot_bytes(f) for f in cfg.layer_families(4))
+    c128 = sum(cfg.slot_bytes(f) for f in cfg.layer_families(128))
     swa = cfg.slot_bytes("q")
     fit = private_fit_tokens(cfg, None, budget)
     shared = workspace_bytes(cfg, "shared").total
@@ -231,10 +242,10 @@ def test_private_over_budget_is_refused_at_reserve_with_the_alternatives():
 
 
 def test_private_fit_tokens_is_the_largest_that_fits():
-    cfg = config("mxfp4", ubatches=2, tokens=4096, include_attn_out=True)
+    cfg = config("mxfp4", ubatches=2, tokens=4096, q=("q", "out"))
 
     def total(t: int) -> int:
-        return workspace_bytes(WorkspaceConfig(**{**cfg.__dict__, "max_num_batched_tokens": t}),
+        return workspace_bytes(dataclasses.replace(cfg, max_num_batched_tokens=t),
                                "private").total
 
     for budget in (total(1) - 1, total(1), total(777) + 5, total(4096), total(4096) * 2):
@@ -248,7 +259,7 @@ def test_private_fit_tokens_is_the_largest_that_fits():
 
 
 def test_private_budget_boundary_and_other_policies():
-    cfg = config("fp8", ubatches=2, include_attn_out=True)
+    cfg = config("fp8", ubatches=2, q=("q", "out"))
     total = plan_layout(cfg, None, "private").total_bytes
     exact = WorkspaceManager(cfg, policy="private", debug=False)
     exact.reserve(budget_bytes=total)  # fits exactly

@@ -56,8 +56,10 @@ require_vllm_cuda()
 from vllm.forward_context import override_forward_context  # noqa: E402
 
 from vllm_dsv4_backend.layer import cuda  # noqa: E402
+from vllm_dsv4_backend.layer.plan import Dims, build_workspace_config  # noqa: E402
 from vllm_dsv4_backend.ops import indexer as indexer_ops  # noqa: E402
-from vllm_dsv4_backend.workspace import SimStreamBackend, WorkspaceConfig  # noqa: E402
+from vllm_dsv4_backend.testing.schedule import WIDE_PLAN  # noqa: E402
+from vllm_dsv4_backend.workspace import SimStreamBackend  # noqa: E402
 
 # The layers are built as the CUDA-graph harness builds them (without __init__).
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "cuda_graph"))
@@ -227,7 +229,11 @@ class Model:
     (``cuda.make_workspace``: policy and the no-fence switch from envs) and
     the choreography driver."""
 
-    def __init__(self, indexer_dtype: str, seed: int, plan: Any = None) -> None:
+    def __init__(self, indexer_dtype: str, seed: int, plan: Any = WIDE_PLAN) -> None:
+        """``plan``: the lease plan the workspace reserves (default: every
+        family of every kind, the q family as the attention output); ``None``:
+        the CUDA layer's own (``layer.plan.LEASE_PLAN["cuda"]``, what serving
+        reserves)."""
         g = torch.Generator().manual_seed(seed)
         self.rng = random.Random(seed)
         # DBO's micro-batches share the compute (default) stream and the model's
@@ -237,10 +243,10 @@ class Model:
         self.checks = Checks(self.sim)
         self.current_tag = ""
         self.ubatch = 0
-        cfg = WorkspaceConfig(max_num_batched_tokens=MNBT, num_local_heads=N_LOCAL,
-                              padded_q_heads=HP, head_dim=D, index_topk=K,
-                              indexer_kv_dtype=indexer_dtype, num_ubatches=NUM_UBATCHES,
-                              include_attn_out=True, include_q=False, lease_plan=plan)
+        dims = Dims(num_local_heads=N_LOCAL, padded_q_heads=HP, head_dim=D, index_topk=K)
+        cfg = build_workspace_config(dims, max_num_batched_tokens=MNBT,
+                                     indexer_kv_dtype=indexer_dtype, platform="cuda", plan=plan,
+                                     num_ubatches=NUM_UBATCHES)
         self.ws = cuda.make_workspace(cfg, device="cpu", streams=self.sim)
         self.topk_buf = torch.full((MNBT, K), -1, dtype=torch.int32)
         self.kernels = TorchKernels(self.checks, lambda: self.current_tag)
@@ -313,7 +319,7 @@ class Model:
         hs = torch.randn(T, 32, generator=g).to(torch.bfloat16)
         q = torch.randn(T, HP, D, generator=g).to(torch.bfloat16)  # the fused insert's q
         ctx = types.SimpleNamespace(attn_metadata=self.metadata[u])
-        with override_forward_context(ctx), sim.use(home), layer.dsv4_step(T):
+        with override_forward_context(ctx), sim.use(home), layer.dsv4_region(T):
             out = layer._alloc_attn_out(T, hs)
             assert self.ws.storage is not None
             index_q = index_scale = index_w = None
@@ -463,12 +469,13 @@ def test_dummy_run_reserves_and_writes_nothing(ubatch_ids, monkeypatch):
 
 @pytest.mark.parametrize("indexer_dtype", ["fp8", "mxfp4"])
 def test_leases_are_the_lease_plan(ubatch_ids, monkeypatch, indexer_dtype):
-    """``core.LEASE_PLAN["cuda"]`` is what the layer's code leases: every
-    planned (kind, family, view) the dtype has is used and nothing else, and
-    the workspace built with the plan reserves exactly those views (no
-    ``topk.local``, no C4 compressor scratch)."""
+    """``layer.plan.LEASE_PLAN["cuda"]`` is what the layer's code leases:
+    every planned (kind, family, view) the dtype has is used and nothing else,
+    and the workspace built with the plan (the builder's own, as serving
+    builds it) reserves exactly those views (no ``topk.local``, no C4
+    compressor scratch)."""
     from vllm_dsv4_backend.layer import core
-    from vllm_dsv4_backend.workspace import FAMILIES
+    from vllm_dsv4_backend.layer.plan import LEASE_PLAN
     from vllm_dsv4_backend.workspace.manager import Lease
 
     monkeypatch.delenv("VLLM_DSV4_TEST_UNSAFE_NO_FENCES", raising=False)
@@ -482,16 +489,17 @@ def test_leases_are_the_lease_plan(ubatch_ids, monkeypatch, indexer_dtype):
         return getitem(self, name)
 
     monkeypatch.setattr(Lease, "__getitem__", spy)
-    plan = core.lease_plan("cuda", indexer_dtype)
-    model = Model(indexer_dtype, seed=5, plan=plan)
+    plan = LEASE_PLAN["cuda"][indexer_dtype]
+    model = Model(indexer_dtype, seed=5, plan=None)  # the platform's own plan
     ubatch_ids.append(model)
     model.build()
     assert model.execute(range(10)) == []
     cfg = model.ws.config
-    planned = {(k, f, v) for k, f, v in plan.pairs()
-               if v in {s.name for s in cfg.family_buffers(f)}}
+    assert cfg.params["plan"] == "cuda"
+    planned = {(k, f, v) for k, fams in plan.items() for f, views in fams.items()
+               for v in views if v in {s.name for s in cfg.family_buffers(f)}}
     assert taken == planned, (taken - planned, planned - taken)
-    reserved = {(f, s.name) for f in FAMILIES for s in cfg.family_buffers(f)
+    reserved = {(f, s.name) for f in cfg.family_names for s in cfg.family_buffers(f)
                 if any(f in cfg.layer_families(r) for _, r in LAYERS)}
     assert reserved == {(f, v) for _, f, v in planned}
     assert ("topk", "local") not in reserved

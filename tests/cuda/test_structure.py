@@ -33,6 +33,9 @@ from vllm_dsv4_backend.layer import cuda, get_attention_layer_cls  # noqa: E402
 from vllm_dsv4_backend.vllm_compat import attention, fingerprints, hooks  # noqa: E402
 
 PLUGIN = cuda.DSV4FlashMLAAttention
+# The CUDA layer's drift table, per role, for this vLLM.
+DECORATED = tuple(s.rsplit(".", 1)[-1]
+                  for s in fingerprints.symbols(cuda.VLLM_DRIFT, MINOR, fingerprints.DECORATED))
 # Every method the plugin overrides on the layer, and the vLLM class it overrides.
 LAYER_OVERRIDES = ("__init__", "forward", "_alloc_attn_out", "_sparse_indexer_and_attn",
                    "_forward_decode", "_get_indexer_cls")
@@ -86,12 +89,12 @@ def test_submodule_override_signatures(owner: type, base: type, name: str) -> No
 def test_decorators_kept() -> None:
     # vLLM decorates these with eager_break_during_capture (0.34 removed MRV1's
     # _prepare_and_attn_eager)...
-    assert set(cuda.DECORATED[MINOR]) == {
+    assert set(DECORATED) == {
         n for n in dir(DeepseekV4Attention)
         if hasattr(getattr(DeepseekV4Attention, n), "__wrapped__")
         and n.startswith("_") and not n.startswith("__")
     }
-    for name in cuda.DECORATED[MINOR]:
+    for name in DECORATED:
         assert hasattr(getattr(DeepseekV4Attention, name), "__wrapped__"), name
     assert hasattr(DeepseekV4Attention, "_prepare_and_attn_eager") == (MINOR == "0.33")
     # ...and every override of a decorated method carries it again.
@@ -113,16 +116,42 @@ def test_patch_point_reaches_every_decoder_layer() -> None:
 
 
 def test_copied_bodies_match_this_vllm() -> None:
-    fingerprints.check(cuda.COPIED_VLLM_BODIES, MINOR)
-    fingerprints.check(cuda.FENCE_CONTROL_FLOW[MINOR], MINOR)
+    fingerprints.check(cuda.VLLM_DRIFT, MINOR, decorated_on=DeepseekV4FlashMLAAttention)
     cuda.check_kernel_signatures()
-    for (module, qualname), want in cuda.SOURCE_BODIES.items():
-        assert cuda.source_fingerprint(module, qualname) == want
 
 
-def _assert_drift_fails(monkeypatch: pytest.MonkeyPatch, symbol: str, match: str) -> None:
-    """``symbol``'s known fingerprint changed: building the layer class must raise."""
-    monkeypatch.setitem(fingerprints.KNOWN[MINOR], symbol, "0" * 16)
+def test_drift_table_is_one_literal_covering_both_versions() -> None:
+    table = cuda.VLLM_DRIFT
+    fingerprints.validate(table)
+    # What build_stub.py reads (without importing vLLM) is the module's table.
+    assert fingerprints.read_table(cuda.__file__) == table
+    for symbol, (roles, hashes) in table.items():
+        assert set(hashes) == {"0.33", "0.34"}, symbol
+    copied = fingerprints.symbols(table, MINOR, fingerprints.COPIED)
+    fenced = fingerprints.symbols(table, MINOR, fingerprints.FENCED)
+    assert not set(copied) & set(fenced)
+    assert len(copied) == 12 and len(fenced) == (7 if MINOR == "0.33" else 6)
+    # Every override of a vLLM method on the layer and its submodules repeats
+    # a body of the table.
+    for cls, base in ((PLUGIN, DeepseekV4FlashMLAAttention),
+                      (cuda.DSV4CudaIndexer, cuda.DeepseekV4Indexer),
+                      (cuda.DSV4CudaCompressor, cuda.DeepseekCompressor)):
+        for name in ("forward", "_alloc_attn_out", "_sparse_indexer_and_attn", "_forward_decode",
+                     "_q_rope_quant", "_compress_norm_rope_store"):
+            if name in cls.__dict__:
+                owner = next(k for k in base.__mro__ if name in k.__dict__)
+                assert f"{owner.__module__}:{owner.__qualname__}.{name}" in copied, name
+
+
+def _with_hash(symbol: str, fp: str | None) -> tuple[str, dict[str, str | None]]:
+    roles, hashes = cuda.VLLM_DRIFT[symbol]
+    return roles, {**hashes, MINOR: fp}
+
+
+def _assert_drift_fails(monkeypatch: pytest.MonkeyPatch, symbol: str, match: str,
+                        fp: str | None = "0" * 16) -> None:
+    """``symbol``'s recorded fingerprint changed: building the layer class must raise."""
+    monkeypatch.setitem(cuda.VLLM_DRIFT, symbol, _with_hash(symbol, fp))
     cuda._checked.cache_clear()
     try:
         with pytest.raises(hooks.PatchError, match=match):
@@ -132,7 +161,45 @@ def _assert_drift_fails(monkeypatch: pytest.MonkeyPatch, symbol: str, match: str
 
 
 def test_fingerprint_drift_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
-    _assert_drift_fails(monkeypatch, cuda.COPIED_VLLM_BODIES[0], "source changed")
+    symbol = next(iter(cuda.VLLM_DRIFT))
+    assert fingerprints.COPIED in cuda.VLLM_DRIFT[symbol][0].split()
+    _assert_drift_fails(monkeypatch, symbol, "source changed")
+
+
+def test_source_body_drift_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The CuTe DSL body, fingerprinted from its text (cutlass is not importable).
+    (symbol,) = [s for s, (roles, _) in cuda.VLLM_DRIFT.items()
+                 if fingerprints.SOURCE in roles.split()]
+    _assert_drift_fails(monkeypatch, symbol, "plugin's copy was written against")
+
+
+def test_missing_version_or_reappearing_symbol_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    symbol = next(iter(cuda.VLLM_DRIFT))
+    roles, hashes = cuda.VLLM_DRIFT[symbol]
+    monkeypatch.setitem(cuda.VLLM_DRIFT, symbol,
+                        (roles, {m: h for m, h in hashes.items() if m != MINOR}))
+    cuda._checked.cache_clear()
+    try:
+        with pytest.raises(hooks.PatchError, match=f"no fingerprint recorded for vLLM {MINOR}"):
+            cuda.layer_cls()
+    finally:
+        cuda._checked.cache_clear()
+    monkeypatch.setitem(cuda.VLLM_DRIFT, symbol, (roles, hashes))
+    # A symbol recorded as absent in this vLLM that exists after all.
+    _assert_drift_fails(monkeypatch, symbol, "written against a vLLM", fp=None)
+
+
+def test_undecorated_method_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    symbol = fingerprints.symbols(cuda.VLLM_DRIFT, MINOR, fingerprints.DECORATED)[0]
+    name = symbol.rsplit(".", 1)[-1]
+    monkeypatch.setattr(DeepseekV4FlashMLAAttention, name,
+                        inspect.unwrap(getattr(DeepseekV4FlashMLAAttention, name)))
+    cuda._checked.cache_clear()
+    try:
+        with pytest.raises(hooks.PatchError, match="no longer decorated"):
+            cuda.layer_cls()
+    finally:
+        cuda._checked.cache_clear()
 
 
 def test_kernel_signature_drift_fails(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -258,7 +325,7 @@ def test_cpu_only_kernel_setting_is_refused(monkeypatch: pytest.MonkeyPatch) -> 
 def test_fenced_control_flow_drift_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
     # The fork/join the fences rely on is fingerprinted like the copied bodies.
     symbol = "vllm.utils.multi_stream_utils:execute_in_parallel"
-    assert symbol in cuda.FENCE_CONTROL_FLOW[MINOR]
+    assert symbol in fingerprints.symbols(cuda.VLLM_DRIFT, MINOR, fingerprints.FENCED)
     _assert_drift_fails(monkeypatch, symbol, "execute_in_parallel")
 
 
@@ -267,7 +334,9 @@ def test_process_weights_after_loading_takes_no_arguments() -> None:
     # 0.33's with the model dtype: both reserve the workspace once.
     import torch
 
-    from vllm_dsv4_backend.workspace import WorkspaceConfig, WorkspaceManager
+    from vllm_dsv4_backend.layer.plan import Dims, build_workspace_config
+    from vllm_dsv4_backend.testing.schedule import WIDE_PLAN
+    from vllm_dsv4_backend.workspace import WorkspaceManager
 
     params = inspect.signature(PLUGIN.process_weights_after_loading).parameters
     assert all(p.default is not inspect.Parameter.empty for n, p in params.items()
@@ -275,10 +344,10 @@ def test_process_weights_after_loading_takes_no_arguments() -> None:
     layer = PLUGIN.__new__(PLUGIN)
     torch.nn.Module.__init__(layer)
     layer.prefix, layer.compress_ratio, layer.indexer, layer.compressor = "l.0", 1, None, None
-    cfg = WorkspaceConfig(max_num_batched_tokens=8, num_local_heads=16, padded_q_heads=64,
-                          head_dim=512, index_n_heads=64, index_head_dim=128, index_topk=16,
-                          indexer_kv_dtype="fp8", num_ubatches=1, include_attn_out=True,
-                          include_q=False)
+    dims = Dims(num_local_heads=16, padded_q_heads=64, head_dim=512, index_n_heads=64,
+                index_head_dim=128, index_topk=16)
+    cfg = build_workspace_config(dims, max_num_batched_tokens=8, indexer_kv_dtype="fp8",
+                                 plan=WIDE_PLAN, num_ubatches=1)
     ws = WorkspaceManager(cfg, layers=[], device="cpu")
     layer._dsv4_attach(ws)
     layer.process_weights_after_loading()

@@ -17,8 +17,14 @@ import random
 import pytest
 import torch
 
+from vllm_dsv4_backend.layer.plan import (
+    DSV4_FLASH_HF_CONFIG,
+    build_workspace_config,
+    dims_from_hf_config,
+)
 from vllm_dsv4_backend.testing.schedule import (
     STREAM_ROLES,
+    WIDE_PLAN,
     StampKernels,
     enqueue_dsv4_step,
     make_stamp_source,
@@ -29,7 +35,7 @@ from vllm_dsv4_backend.workspace import (
     WorkspaceManager,
     count_allocations,
 )
-from vllm_dsv4_backend.workspace.sizing import DSV4_FLASH_HF_CONFIG, Layout, Slot
+from vllm_dsv4_backend.workspace.sizing import Layout, Slot
 
 pytestmark = [
     pytest.mark.gpu,
@@ -37,17 +43,22 @@ pytestmark = [
 ]
 
 FLASH_RATIOS = (0, 0) + (4, 128) * 20 + (4,)
-SLEEP_CYCLES = 200_000  # ~0.1 ms per consumer: far longer than a launch
+# ~2 ms per consumer on an H200: the GPU, not Python's issue of the next layer (~0.5 ms),
+# must be behind, or an unfenced producer is only enqueued after the consumer finished.
+# At 200_000 (~0.1 ms) no unfenced producer ever overtook on an H200 (2026-12-04).
+SLEEP_CYCLES = 4_000_000
+# Every family each layer kind can use (C4's compressor scratch too), every
+# view, the padded q as the q family (the sizing before lease plans).
+EVERY_FAMILY_PLAN = {kind: {**fams, "q": ("q",)} for kind, fams in WIDE_PLAN.items()}
 
 
-def flash_config(tokens: int = 64, indexer: str = "mxfp4", num_ubatches: int = 2):
-    return WorkspaceConfig.from_hf_config(
-        DSV4_FLASH_HF_CONFIG,
-        max_num_batched_tokens=tokens,
-        tp_size=4,
-        indexer_kv_dtype=indexer,
-        num_ubatches=num_ubatches,
-    )
+def flash_config(tokens: int = 64, indexer: str = "mxfp4", num_ubatches: int = 2
+                 ) -> WorkspaceConfig:
+    dims, ratios = dims_from_hf_config(DSV4_FLASH_HF_CONFIG, tp_size=4)
+    assert ratios == FLASH_RATIOS
+    return build_workspace_config(dims, max_num_batched_tokens=tokens, indexer_kv_dtype=indexer,
+                                  plan=EVERY_FAMILY_PLAN, num_ubatches=num_ubatches,
+                                  compress_ratios=ratios)
 
 
 def make_streams(num_ubatches: int = 2) -> list[dict[str, torch.cuda.Stream]]:
@@ -134,8 +145,8 @@ def test_flash_schedule_zero_allocations_on_cuda(policy):
         }
         for fam in ("q", "indexer_q", "topk", "compressor")
     }
-    out = torch.empty(t_max, cfg.padded_q_heads, cfg.head_dim, dtype=torch.bfloat16,
-                      device="cuda")
+    out = torch.empty(t_max, cfg.params["padded_q_heads"], cfg.params["head_dim"],
+                      dtype=torch.bfloat16, device="cuda")
     torch.cuda.synchronize()
     role = {"q": d, "indexer_q": a0, "topk": a0, "compressor": a1}
 

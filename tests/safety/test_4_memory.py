@@ -14,22 +14,25 @@ follow Flash's pattern (``0, 0`` then ``4, 128`` alternating):
   (``sizing.workspace_bytes``, what ``reserve()`` would allocate; 43 layers would be
   tens of GiB), linear in the number of C4/C128/SWA layers; reserved for real at 4 layers
   to tie the plan to the manager;
-* vLLM #49236's pool (``sizing.pool49236_bytes``): 548 MiB at 8192 tokens, as the issue
-  says; constant too, but it bought that by aliasing the families (item 3).
+* vLLM #49236's pool (``layer.sizing.pool49236_bytes``): 548 MiB at 8192 tokens, as the
+  issue says; constant too, but it bought that by aliasing the families (item 3).
+
+The families are what the CUDA layer leases (its lease plan, ``layer.plan.LEASE_PLAN``,
+through ``layer.plan``'s one builder, as serving builds it).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from vllm_dsv4_backend.workspace import WorkspaceManager
-from vllm_dsv4_backend.workspace.sizing import (
+from vllm_dsv4_backend.layer.plan import (
     DSV4_FLASH_HF_CONFIG,
-    MIB,
-    WorkspaceConfig,
-    pool49236_bytes,
-    workspace_bytes,
+    build_workspace_config,
+    dims_from_hf_config,
 )
+from vllm_dsv4_backend.layer.sizing import pool49236_bytes
+from vllm_dsv4_backend.workspace import WorkspaceManager
+from vllm_dsv4_backend.workspace.sizing import MIB, WorkspaceConfig, workspace_bytes
 
 TOKENS = 8192
 LAYER_COUNTS = (4, 43, 61)
@@ -40,11 +43,15 @@ def flash_ratios(num_layers: int) -> list[int]:
     return ([0, 0] + [4, 128] * num_layers)[:num_layers]
 
 
+def config_of(hf: dict[str, Any]) -> WorkspaceConfig:
+    dims, ratios = dims_from_hf_config(hf, tp_size=1)
+    return build_workspace_config(dims, max_num_batched_tokens=TOKENS, indexer_kv_dtype="mxfp4",
+                                  platform="cuda", compress_ratios=ratios)
+
+
 def flash_config(num_layers: int) -> WorkspaceConfig:
-    hf = {**DSV4_FLASH_HF_CONFIG, "num_hidden_layers": num_layers,
-          "compress_ratios": flash_ratios(num_layers)}
-    return WorkspaceConfig.from_hf_config(hf, max_num_batched_tokens=TOKENS, tp_size=1,
-                                          indexer_kv_dtype="mxfp4")
+    return config_of({**DSV4_FLASH_HF_CONFIG, "num_hidden_layers": num_layers,
+                      "compress_ratios": flash_ratios(num_layers)})
 
 
 def reserved(config: WorkspaceConfig, policy: str) -> int:
@@ -59,7 +66,7 @@ def memory_rows() -> list[dict[str, Any]]:
     rows = []
     for n in LAYER_COUNTS:
         cfg = flash_config(n)
-        assert cfg.compress_ratios == tuple(flash_ratios(n))
+        assert cfg.layer_kinds == tuple(flash_ratios(n))
         rows.append({"layers": n, "shared": reserved(cfg, "shared"),
                      "private": workspace_bytes(cfg, "private").total,
                      "pool49236": pool49236_bytes(cfg)["total"]})
@@ -71,8 +78,7 @@ def test_shared_is_constant_in_the_layer_count_private_is_linear(figures):
     shared = {r["shared"] for r in rows}
     # The Flash config itself (43 layers + an MTP entry in compress_ratios) gives
     # the same config as our 43-layer one.
-    flash = WorkspaceConfig.from_hf_config(DSV4_FLASH_HF_CONFIG, max_num_batched_tokens=TOKENS,
-                                           tp_size=1, indexer_kv_dtype="mxfp4")
+    flash = config_of(DSV4_FLASH_HF_CONFIG)
     assert flash == flash_config(43)
 
     # shared: one number, whatever the layer count; and it is the plan's number.
@@ -84,7 +90,7 @@ def test_shared_is_constant_in_the_layer_count_private_is_linear(figures):
     # ... and it is linear: bytes = sum over layers of their families' slot bytes.
     for r in rows:
         cfg = flash_config(r["layers"])
-        per_layer = sum(cfg.slot_bytes(f) for ratio in cfg.compress_ratios
+        per_layer = sum(cfg.slot_bytes(f) for ratio in cfg.layer_kinds
                         for f in cfg.layer_families(ratio))
         assert r["private"] == per_layer
     assert rows[0]["private"] < rows[1]["private"] < rows[2]["private"]

@@ -5,7 +5,7 @@
 Issue 13 (field regression): no workspace lease stays held, and the engine reports
 the error clearly (the original exception, not a later "still leased"
 ``WorkspaceLeaseError``). ``tests/core/test_field_regressions.py`` covers
-``eager.Step`` alone; here the tiny model (``configs/tiny-dsv4``,
+``eager.Region`` alone; here the tiny model (``configs/tiny-dsv4``,
 ``FLASHMLA_SPARSE_DSV4``, fp8 KV cache, dummy weights, the plugin's layer) runs
 in vLLM 0.32's engine and layer 1 (C4) raises :class:`InjectedLayerFault` once
 from its ``forward_mqa``, mid-request (the request's second decode step, the
@@ -43,7 +43,7 @@ What vLLM 0.32 does by design, as observed here:
   caller aborts the interrupted request (``llm.llm_engine.abort_request``), a
   following request succeeds.
 
-``test_leaked_lease_is_caught`` is the negative control: with ``eager.Step`` made
+``test_leaked_lease_is_caught`` is the negative control: with ``eager.Region`` made
 to keep its leases when the step raises (the regression this guards against), the
 same checks see the held slot, and the next request fails with "still leased".
 """
@@ -109,9 +109,9 @@ def _arm(spec: str) -> None:
                                **kwargs: Any) -> Any:
             if not _fault["fired"] and positions.numel() == 1 and int(positions[0]) == position:
                 _fault["fired"] = True
-                step = self._step
+                region = self._region
                 # What the step holds as it raises: what must come back.
-                _fault["held"] = list(step.held()) if step is not None else None
+                _fault["held"] = list(region.held()) if region is not None else None
                 print(f"[fault] {self.prefix} raises at position {position} holding "
                       f"{_fault['held']} (pid {os.getpid()})", file=sys.stderr, flush=True)
                 raise InjectedLayerFault(f"{FAULT_TAG} in {self.prefix} at position "
@@ -129,13 +129,13 @@ def _leak_leases_on_exception() -> None:
     """The regression, simulated: a step that raises keeps its leases."""
     from vllm_dsv4_backend import eager
 
-    close_on_exit = eager.Step.__exit__
+    close_on_exit = eager.Region.__exit__
 
     def exit_keeping_leases_on_error(self: Any, *exc: Any) -> None:
         if exc[0] is None:
             close_on_exit(self, *exc)
 
-    eager.Step.__exit__ = exit_keeping_leases_on_error
+    eager.Region.__exit__ = exit_keeping_leases_on_error
 
 
 if __name__ == "__mp_main__" and os.environ.get(FAULT_ENV):

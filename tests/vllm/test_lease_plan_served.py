@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The CPU layer's lease plan (``layer.core.LEASE_PLAN["cpu"]``) against the
+"""The CPU layer's lease plan (``layer.plan.LEASE_PLAN["cpu"]``) against the
 leases it really takes while serving the tiny model in-process: a prompt
 longer than 4 x index_topk (so the lightning indexer's real top-k runs, not
 the short-context fill), then decode. Every planned (kind, family, view) the
@@ -34,7 +34,7 @@ def _worker(dtype: str, out_path: str) -> None:
 
     from vllm_dsv4_backend.formats.constants import layer_kind
     from vllm_dsv4_backend.layer import core
-    from vllm_dsv4_backend.workspace import FAMILIES
+    from vllm_dsv4_backend.layer.plan import LEASE_PLAN
     from vllm_dsv4_backend.workspace.manager import Lease
 
     taken: set[tuple[str, str, str]] = set()
@@ -58,14 +58,16 @@ def _worker(dtype: str, out_path: str) -> None:
     managers = list(core._managers.values())
     ws = managers[0]
     c = ws.config
-    plan = core.lease_plan("cpu", c.indexer_kv_dtype)
+    dtype = c.params["indexer_kv_dtype"]
+    plan = LEASE_PLAN["cpu"][dtype]
     report = {
         "managers": len(managers),
-        "indexer_kv_dtype": c.indexer_kv_dtype,
+        "indexer_kv_dtype": dtype,
+        "plan": c.params["plan"],
         "taken": sorted(taken),
-        "planned": sorted((k, f, v) for k, f, v in plan.pairs()
-                          if v in {s.name for s in c.family_buffers(f)}),
-        "reserved": sorted({(f, s.name) for f in FAMILIES for s in c.family_buffers(f)
+        "planned": sorted((k, f, v) for k, fams in plan.items() for f, views in fams.items()
+                          for v in views if v in {s.name for s in c.family_buffers(f)}),
+        "reserved": sorted({(f, s.name) for f in c.family_names for s in c.family_buffers(f)
                             if any(f in c.layer_families(r) for r in ws.layers.values())}),
         "per_family": ws.stats()["reserved_bytes_per_family"],
     }
@@ -88,9 +90,12 @@ def test_served_leases_are_the_lease_plan(dtype, tmp_path):
     r = run_script_report(__file__, [dtype], tmp_path / "report.json", timeout=1500,
                           env={**os.environ, "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "1500"})
     assert r["managers"] == 1 and r["indexer_kv_dtype"] == dtype
+    assert r["plan"] == "cpu"  # serving's builder with the CPU layer's own plan
     taken = {tuple(t) for t in r["taken"]}
     planned = {tuple(t) for t in r["planned"]}
     assert taken == planned, (taken - planned, planned - taken)
     assert {tuple(t) for t in r["reserved"]} == {(f, v) for _, f, v in planned}
-    assert r["per_family"]["compressor"] == 0  # the CPU layer leases no scratch
+    # The CPU layer leases no scratch: the family is not reserved at all.
+    assert "compressor" not in r["per_family"]
+    assert set(r["per_family"]) == {f for f, _ in planned}
 

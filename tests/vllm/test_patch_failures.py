@@ -392,3 +392,51 @@ def test_explicit_request_names_the_failing_patch(strict_report, name):
     assert r["not_restored"] == {}, f"vLLM's objects not put back: {r['not_restored']}"
     if name not in CHANGES_NOTHING:
         assert strict_report["changed"].get(name, 0) > 0, f"{name}'s real install changed nothing"
+
+
+_REGISTER_FAILS = r"""
+import json, logging, sys
+records = []
+class H(logging.Handler):
+    def emit(self, r):
+        records.append((r.levelname, r.getMessage()))
+logging.getLogger("vllm_dsv4_backend").addHandler(H())
+from vllm_dsv4_backend import plugin
+from vllm_dsv4_backend.vllm_compat import hooks
+def boom(platform):
+    raise KeyError("injected")
+plugin._select_attention_layer = boom
+out = {}
+try:
+    plugin.register()
+    out["raised"] = None
+except Exception as e:
+    out["raised"] = type(e).__name__
+out["pending"] = hooks.pending()
+out["state"] = plugin.state().get("stood_aside")
+import vllm.engine.arg_utils  # what every `vllm serve` imports
+out["errors"] = [m for lvl, m in records if lvl == "ERROR"]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("impl", ["auto", "plugin"])
+def test_register_survives_its_own_failure(impl):
+    """An unexpected exception inside register() (not a patch's: the layer
+    selection after the registry was armed) is one ERROR line, the armed hooks
+    dropped, vLLM imports; only VLLM_DSV4_ATTN_IMPL=plugin raises it."""
+    import subprocess
+
+    env = {**os.environ, "VLLM_DSV4_ATTN_IMPL": impl}
+    p = subprocess.run([sys.executable, "-c", _REGISTER_FAILS], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    if impl == "plugin":
+        assert out["raised"] == "KeyError", out
+        return
+    assert out["raised"] is None and out["pending"] == [], out
+    assert "register() failed: KeyError" in out["state"], out
+    errors = [e for e in out["errors"] if "register() failed" in e]
+    assert len(errors) == 1 and "stands aside" in errors[0], out["errors"]

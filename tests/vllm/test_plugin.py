@@ -240,8 +240,9 @@ print(json.dumps(out))
     ("unknown_version", 'vllm.__version__ = "0.35.0"', "does not support vLLM 0.35.0"),
     ("no_layer_for_platform", 'vllm.__version__ = "0.34.0"',
      "no DeepSeek-V4 layer for vLLM 0.34.0 on the cpu platform"),
-    ("changed_body", ("from vllm_dsv4_backend.vllm_compat import fingerprints\n"
-     "fingerprints.KNOWN['0.32'] = {k: '0' * 16 for k in fingerprints.KNOWN['0.32']}"),
+    ("changed_body", ("from vllm_dsv4_backend.layer import cpu\n"
+     "cpu.VLLM_DRIFT = {k: (r, {m: '0' * 16 for m in h}) for k, (r, h) in "
+     "cpu.VLLM_DRIFT.items()}"),
      "source changed"),
 ])
 def test_unsupported_combination_stands_aside(case, setup, cause):

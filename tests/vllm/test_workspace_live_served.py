@@ -32,7 +32,8 @@ LINE = re.compile(
     r"workspace live \(CPU\): (?P<steps>\d+) model steps, leases (?P<lps>[\d.]+)/step "
     r"\((?P<leases>\d+) total, max (?P<max>\d+)\), allocations in leased families "
     r"(?P<aps>[\d.]+)/step \((?P<allocs>\d+) total\), fence waits [\d.]+/step \(\d+ total\), "
-    r"reserved (?P<reserved>[\d.]+) MiB, peak leased [\d.]+ MiB, policy (?P<policy>\w+)"
+    r"reserved (?P<reserved>[\d.]+) MiB, peak leased [\d.]+ MiB, policy (?P<policy>\w+), "
+    r"fallbacks to the layer's own allocation [\d.]+/step \((?P<fallbacks>\d+) total\)"
 )
 
 
@@ -59,6 +60,7 @@ def test_worker_logs_live_workspace_counters(tiny_server):
     assert int(m["steps"]) >= 4 and int(m["steps"]) % 4 == 0, line
     assert int(m["leases"]) > 0 and float(m["lps"]) > 0, line
     assert int(m["allocs"]) == 0 and float(m["aps"]) == 0.0, line
+    assert int(m["fallbacks"]) == 0, line  # the CPU layer never bypasses the workspace
     assert m["policy"] == "shared" and float(m["reserved"]) > 0, line
 
 

@@ -5,20 +5,31 @@ vLLM's own, cut verbatim (by AST) out of an installed vLLM or a wheel.
 
     python tools/cuda_graph/build_stub.py --vllm-src DIR|--wheel FILE --out build/vllm_stub/0.34
 
-What is vLLM's, verbatim (each body's fingerprint is printed and written to
-``FINGERPRINTS.txt``; the normalisation is ``vllm_compat/fingerprints.py``'s:
-decorators included, stripped non-empty lines, sha256[:16]):
+What is vLLM's, verbatim (each body's fingerprint is printed, next to the one
+the plugin recorded, and written to ``FINGERPRINTS.txt``; the normalisation
+is ``vllm_compat/fingerprints.py``'s: decorators included, stripped non-empty
+lines, sha256[:16]):
 
-* ``DeepseekV4Attention``: ``forward``, ``_alloc_attn_out``,
-  ``_prepare_and_attn`` (+ ``_prepare_and_attn_eager`` where it exists),
+* every symbol of the CUDA layer's drift table (``VLLM_DRIFT`` in
+  ``vllm_dsv4_backend/layer/cuda.py``, read from its text: this tool does not
+  import vLLM) in the modules listed in :data:`CUT`, in vLLM's source order
+  (required where the table records a fingerprint for this vLLM minor,
+  skipped where it records the symbol as absent). Today:
+  ``DeepseekV4Attention``'s ``forward``, ``_alloc_attn_out``,
+  ``_prepare_and_attn`` (+ ``_prepare_and_attn_eager`` in 0.33),
   ``_run_parallel_input_projections``, ``_sparse_indexer_and_attn``;
-* ``DeepseekV4Indexer.forward`` / ``._q_rope_quant``;
-* ``DeepseekCompressor.forward`` / ``._compress_norm_rope_store``;
-* ``DeepseekV4FlashMLAAttention.forward_mqa`` / ``._forward_decode``;
-* ``vllm/utils/multi_stream_utils.py`` whole;
-* ``eager_break_during_capture`` and ``BreakableCUDAGraphCapture``;
+  ``DeepseekV4Indexer.forward`` / ``._q_rope_quant``;
+  ``DeepseekCompressor.forward`` / ``._compress_norm_rope_store``;
+  ``DeepseekV4FlashMLAAttention.forward_mqa`` / ``._forward_decode``;
+  ``eager_break_during_capture`` and ``BreakableCUDAGraphCapture``;
+* ``vllm/utils/multi_stream_utils.py`` whole (the table's
+  ``execute_in_parallel`` / ``maybe_execute_in_parallel``);
 * ``vllm/v1/worker/ubatching.py`` whole (``UBatchContext``,
   ``make_ubatch_contexts``, the ``dbo_*`` hand-overs).
+
+A table symbol in a module the stub neither cuts, copies whole nor stands in
+for (:data:`STANDIN`) stops the build: adding an entry to the table is all it
+takes to have the stub cut it.
 
 Everything else is a small shim written here (forward context, logger,
 platform, envs, ``CUDAGraphMode``) or a stand-in for a CUDA-only kernel or a
@@ -44,11 +55,11 @@ HERE = Path(__file__).resolve().parent
 # The plugin's fingerprint normalisation and definition lookup (vLLM-free), so a
 # cut body's printed fingerprint is the one the plugin's drift check computes.
 sys.path.insert(0, str(HERE.parent.parent))
-from vllm_dsv4_backend.vllm_compat import fingerprints  # noqa: E402
 from vllm_dsv4_backend.vllm_compat.fingerprints import (  # noqa: E402
     definition,
     definition_text,
     fingerprint_text,
+    read_table,
 )
 
 ATTN = "vllm/models/deepseek_v4/attention.py"
@@ -58,6 +69,53 @@ MSU = "vllm/utils/multi_stream_utils.py"
 BCG = "vllm/compilation/breakable_cudagraph.py"
 UBATCH = "vllm/v1/worker/ubatching.py"
 NEEDED = (ATTN, COMP, FLASHMLA, MSU, BCG, UBATCH, "vllm/version.py", "vllm/_version.py")
+# The CUDA layer module whose drift table says which vLLM bodies to cut.
+LAYER = HERE.parent.parent / "vllm_dsv4_backend" / "layer" / "cuda.py"
+
+
+def _module(rel: str) -> str:
+    return rel[:-3].replace("/", ".")
+
+
+# How the stub provides each module the drift table names: its symbols cut
+# verbatim (into the class sections of ``build``), the file copied whole, or
+# stand-ins (kernels: ``COMMON_OPS`` / ``CUTEDSL`` below, the harness's doubles).
+CUT: dict[str, str] = {_module(rel): rel for rel in (ATTN, COMP, FLASHMLA, BCG)}
+WHOLE: dict[str, str] = {_module(MSU): MSU}
+STANDIN: tuple[str, ...] = (
+    "vllm.models.deepseek_v4.common.ops.fused_indexer_q",
+    "vllm.models.deepseek_v4.common.ops.cache_utils",
+    "vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl",
+)
+
+
+def _minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+def drift_table() -> dict:
+    """The CUDA layer's drift table (``layer/cuda.py`` ``VLLM_DRIFT``)."""
+    return read_table(LAYER)
+
+
+def table_cuts(version: str) -> dict[str, list[tuple[str, bool]]]:
+    """Per cut file: the table's ``(qualname, required)`` for vLLM ``version``
+    (required: the table records its fingerprint for this minor; a minor the
+    table does not know makes every cut optional)."""
+    table = drift_table()
+    minor = _minor(version)
+    known = any(minor in hashes for _, hashes in table.values())
+    out: dict[str, list[tuple[str, bool]]] = {rel: [] for rel in CUT.values()}
+    for symbol, (_, hashes) in table.items():
+        module, _, qualname = symbol.partition(":")
+        if module in CUT:
+            out[CUT[module]].append((qualname, known and hashes.get(minor) is not None))
+        elif module not in WHOLE and module not in STANDIN:
+            raise SystemExit(
+                f"build_stub: the CUDA layer's drift table names {symbol}, a module the stub "
+                "neither cuts, copies whole nor stands in for: add it to CUT, WHOLE or STANDIN "
+                "in tools/cuda_graph/build_stub.py")
+    return out
 
 
 class Source:
@@ -484,21 +542,41 @@ _SPARSE_ATTN_COMPRESSOR_CUTEDSL_KERNEL = S.SparseAttnCompressorCuteDSL()
 '''
 
 
-def _methods(cuts: Cuts, rel: str, cls: str, names: list[str]) -> str:
-    out = []
-    for name in names:
-        text = cuts.get(rel, f"{cls}.{name}", required=name not in OPTIONAL)
-        if text:
-            out.append(text)
-    return "\n".join(out)
+class _Plan:
+    """The table's cuts of one build, handed out per class section (each
+    exactly once: a table symbol no section takes stops the build)."""
 
+    def __init__(self, cuts: Cuts, version: str) -> None:
+        self.cuts = cuts
+        self.todo = table_cuts(version)
 
-OPTIONAL = {"_prepare_and_attn_eager", "_run_parallel_input_projections"}
+    def section(self, rel: str, cls: str | None, sep: str = "\n") -> str:
+        """The cut bodies of class ``cls``'s methods in ``rel`` (``None``: the
+        module-level definitions), in vLLM's source order."""
+        mine = [(q, req) for q, req in self.todo[rel]
+                if (q.rpartition(".")[0] == cls if cls else "." not in q)]
+        self.todo[rel] = [x for x in self.todo[rel] if x not in mine]
+        src = self.cuts.files[rel]
+
+        def line(q: str) -> int:
+            node = src.node(q)
+            return getattr(node, "lineno", 1 << 30)
+
+        mine.sort(key=lambda x: line(x[0]))
+        texts = [self.cuts.get(rel, q, required=req) for q, req in mine]
+        return sep.join(t for t in texts if t)
+
+    def done(self) -> None:
+        left = [f"{_module(rel)}:{q}" for rel, items in self.todo.items() for q, _ in items]
+        if left:
+            raise SystemExit(f"build_stub: the drift table names {', '.join(left)}, which no "
+                             "class section of the stub takes (add one in build())")
 
 
 def build(root: Path, out: Path) -> tuple[str, list[tuple[str, str, int, int]]]:
     version = _version(root)
     cuts = Cuts(root)
+    plan = _Plan(cuts, version)
     files: dict[str, str] = {}
     hdr = HEADER.format(version=version)
 
@@ -518,8 +596,7 @@ def build(root: Path, out: Path) -> tuple[str, list[tuple[str, str, int, int]]]:
     put("vllm/utils/import_utils.py", IMPORT_UTILS)
     put("vllm/utils/math_utils.py", MATH_UTILS)
     put("vllm/compilation/breakable_cudagraph.py",
-        BCG_HEAD + cuts.get(BCG, "eager_break_during_capture") + "\n\n"
-        + cuts.get(BCG, "BreakableCUDAGraphCapture"))
+        BCG_HEAD + plan.section(BCG, None, sep="\n\n"))
     put("vllm/utils/torch_utils.py", TORCH_UTILS)
     for rel in (MSU, UBATCH):  # whole, verbatim
         text = (root / rel).read_text(encoding="utf-8")
@@ -529,15 +606,12 @@ def build(root: Path, out: Path) -> tuple[str, list[tuple[str, str, int, int]]]:
     put("vllm/models/deepseek_v4/common/__init__.py", "")
     put("vllm/models/deepseek_v4/common/ops/__init__.py", COMMON_OPS)
     put("vllm/models/deepseek_v4/nvidia/ops/sparse_attn_compress_cutedsl.py", CUTEDSL)
-    attn_methods = ["forward", "_alloc_attn_out", "_prepare_and_attn_eager", "_prepare_and_attn",
-                    "_run_parallel_input_projections", "_sparse_indexer_and_attn"]
     put(ATTN, ATTN_HEAD + "    # --- vLLM's bodies " + "-" * 60 + "\n\n"
-        + _methods(cuts, ATTN, "DeepseekV4Attention", attn_methods)
-        + INDEXER_HEAD + _methods(cuts, ATTN, "DeepseekV4Indexer", ["_q_rope_quant", "forward"]))
-    put(COMP, COMP_HEAD + _methods(cuts, COMP, "DeepseekCompressor",
-                                   ["forward", "_compress_norm_rope_store"]))
-    put(FLASHMLA, FLASHMLA_HEAD + _methods(cuts, FLASHMLA, "DeepseekV4FlashMLAAttention",
-                                           ["forward_mqa", "_forward_decode"]))
+        + plan.section(ATTN, "DeepseekV4Attention")
+        + INDEXER_HEAD + plan.section(ATTN, "DeepseekV4Indexer"))
+    put(COMP, COMP_HEAD + plan.section(COMP, "DeepseekCompressor"))
+    put(FLASHMLA, FLASHMLA_HEAD + plan.section(FLASHMLA, "DeepseekV4FlashMLAAttention"))
+    plan.done()
     if out.exists():
         shutil.rmtree(out)
     for rel, text in files.items():
@@ -556,9 +630,11 @@ def build(root: Path, out: Path) -> tuple[str, list[tuple[str, str, int, int]]]:
 
 
 def known_fingerprints(version: str) -> dict[str, str]:
-    """The plugin's recorded fingerprints for this minor (empty if unavailable)."""
-    minor = ".".join(version.split(".")[:2])
-    return dict(fingerprints.KNOWN.get(minor, {}))
+    """The CUDA layer's recorded fingerprints for this minor (its drift table;
+    empty for a minor it does not know)."""
+    minor = _minor(version)
+    return {sym: hashes[minor] for sym, (_, hashes) in drift_table().items()
+            if hashes.get(minor) is not None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -589,8 +665,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"build_stub: vLLM {version} -> {out}")
     for sym, fp, a, b in log:
         want = known.get(sym)
-        note = "" if want is None else ("  (= plugin's fingerprints.py)" if want == fp
-                                        else f"  (plugin's fingerprints.py: {want})")
+        note = "" if want is None else ("  (= layer/cuda.py VLLM_DRIFT)" if want == fp
+                                        else f"  (layer/cuda.py VLLM_DRIFT: {want})")
         print(f"  {fp}  {sym}  lines {a}-{b}{note}")
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"build_stub: {size / 1024:.0f} KiB written")

@@ -26,10 +26,14 @@ from model import (
     INDEX_HEADS,
     NUM_UBATCHES,
     RATIOS,
-    SLEEP_CYCLES,
     TOPK,
     Model,
 )
+
+# The no-fence control's consumer delay on a real GPU (~2 ms on an H200): long enough
+# that the GPU, not Python's issue of the next layer, is behind; at the harness's
+# SLEEP_CYCLES (~0.1 ms) no unfenced producer overtook on an H200 (2026-12-04).
+CONTROL_SLEEP_CYCLES = 4_000_000
 
 
 def diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict[str, Any]:
@@ -61,12 +65,13 @@ def env(**kv: str | None) -> Iterator[None]:
 
 def _schedule_config() -> Any:
     """The fan-out schedule's workspace (64 tokens, the harness's head sizes)."""
-    from vllm_dsv4_backend.workspace import WorkspaceConfig
+    from vllm_dsv4_backend.layer.plan import Dims, build_workspace_config
+    from vllm_dsv4_backend.testing.schedule import WIDE_PLAN
 
-    return WorkspaceConfig(max_num_batched_tokens=64, num_local_heads=HEADS, padded_q_heads=64,
-                           head_dim=HEAD_DIM, index_n_heads=INDEX_HEADS,
-                           index_head_dim=INDEX_DIM, index_topk=TOPK, indexer_kv_dtype="fp8",
-                           num_ubatches=NUM_UBATCHES, include_attn_out=True, include_q=False)
+    dims = Dims(num_local_heads=HEADS, padded_q_heads=64, head_dim=HEAD_DIM,
+                index_n_heads=INDEX_HEADS, index_head_dim=INDEX_DIM, index_topk=TOPK)
+    return build_workspace_config(dims, max_num_batched_tokens=64, indexer_kv_dtype="fp8",
+                                  plan=WIDE_PLAN, num_ubatches=NUM_UBATCHES)
 
 
 def control_no_fence_schedule(device: torch.device, seeds: int = 4,
@@ -108,7 +113,7 @@ def control_no_fence_schedule(device: torch.device, seeds: int = 4,
                     torch.cuda.synchronize()
                     streams = [{r: torch.cuda.Stream(device) for r in STREAM_ROLES}
                                for _ in range(NUM_UBATCHES)]
-                    k = StampKernels(be, device=device, sleep_cycles=SLEEP_CYCLES)
+                    k = StampKernels(be, device=device, sleep_cycles=CONTROL_SLEEP_CYCLES)
                 else:
                     assert names is not None
                     be.clear()

@@ -289,15 +289,16 @@ class Model:
         from vllm import _harness_standins as S
 
         from vllm_dsv4_backend.layer import cuda as plugin_cuda
-        from vllm_dsv4_backend.workspace import WorkspaceConfig
+        from vllm_dsv4_backend.layer.plan import Dims, build_workspace_config
 
         os.environ["VLLM_DSV4_WORKSPACE"] = policy
-        cfg = WorkspaceConfig(
-            max_num_batched_tokens=MNBT, num_local_heads=HEADS,
-            padded_q_heads=self.layers[0].padded_heads, head_dim=HEAD_DIM,
-            index_n_heads=INDEX_HEADS, index_head_dim=INDEX_DIM, index_topk=TOPK,
-            indexer_kv_dtype="fp8", num_ubatches=NUM_UBATCHES, include_attn_out=True,
-            include_q=False)
+        # Serving's builder and the CUDA layer's own lease plan.
+        dims = Dims(num_local_heads=HEADS, padded_q_heads=self.layers[0].padded_heads,
+                    head_dim=HEAD_DIM, index_n_heads=INDEX_HEADS, index_head_dim=INDEX_DIM,
+                    index_topk=TOPK)
+        cfg = build_workspace_config(dims, max_num_batched_tokens=MNBT,
+                                     indexer_kv_dtype="fp8", platform="cuda",
+                                     num_ubatches=NUM_UBATCHES)
         streams = (plugin_cuda.GraphSafeCudaStreamBackend(
             torch.device("cuda") if self.sim else self.device)
             if self.device.type == "cuda" or self.sim else None)

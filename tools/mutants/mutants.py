@@ -71,7 +71,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "else index_q\n",
         "            q_quant = (index_q, index_q_scale) if index_q_scale is not None "
         "else index_q\n"
-        "            _step = self._dsv4_current_step()\n"
+        "            _step = self._dsv4_current_region()\n"
         "            if _step is not None:\n"
         "                _step.release(\"indexer_q\")\n",
         "harness:sim-eager-debug",
@@ -89,14 +89,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "a lease taken on a different step at capture than at replay: the eager break's "
         "top-k leased from the forward's step, which is gone at piecewise replay",
         LAYER,
-        "                        step = stack.enter_context(\n"
-        "                            eager.Step(ws, self.prefix, num_decode_tokens, "
+        "                        region = stack.enter_context(\n"
+        "                            eager.Region(ws, self.prefix, num_decode_tokens, "
         "core.ubatch_id())\n"
         "                        )\n"
-        "                        lease = step.lease(\"topk\")\n"
+        "                        lease = region.lease(\"topk\")\n"
         "                        global_indices, topk_lens = lease[\"global\"], lease[\"lens\"]\n",
-        "                        step = self._dsv4_current_step()\n"
-        "                        lease = step.lease(\"topk\")\n"
+        "                        region = self._dsv4_current_region()\n"
+        "                        lease = region.lease(\"topk\")\n"
         "                        global_indices = lease[\"global\"][:num_decode_tokens]\n"
         "                        topk_lens = lease[\"lens\"][:num_decode_tokens]\n",
         "harness:sim-piecewise",
@@ -154,8 +154,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a stale view: the attention output's first lease view kept and reused by every "
         "later call (micro-batch 1 writes micro-batch 0's bytes, no lease taken)",
         LAYER,
-        "        return step.lease(\"q\")[\"out\"]\n",
-        "        out = step.lease(\"q\")[\"out\"]\n"
+        "        return region.lease(\"q\")[\"out\"]\n",
+        "        out = region.lease(\"q\")[\"out\"]\n"
         "        return self.__dict__.setdefault(\"_stale_out\", out)\n",
         "harness:sim-eager-yield",
     ),
@@ -182,7 +182,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "between the compress kernel and the store kernel that reads it",
         LAYER,
         "        kernels.c128_store(\n",
-        "        step.release(\"compressor\")\n"
+        "        region.release(\"compressor\")\n"
         "        kernels.c128_store(\n",
         "harness:sim-eager-debug",
     ),

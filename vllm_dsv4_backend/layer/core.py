@@ -7,20 +7,19 @@ vLLM 0.33 / 0.34) are each vLLM's layer for their platform plus the
 workspace; everything about the workspace that does not depend on the
 platform lives here, once:
 
-* the lease plan (:data:`LEASE_PLAN`): the (family, view) pairs each
-  platform's layer leases, per indexer dtype and layer kind, declared once;
-  the workspace reserves exactly those (:func:`lease_plan`);
-* the :class:`~vllm_dsv4_backend.workspace.WorkspaceConfig` built from the
-  vLLM config and the layer's own attributes (:func:`workspace_config`),
-  with the indexer-dtype clamp (:func:`indexer_kv_dtype`) and vLLM's
-  micro-batch count (:func:`num_ubatches`);
+* the model-config reader (:func:`workspace_config`): vLLM's config and the
+  layer's own attributes handed to the one config builder
+  (:func:`.plan.build_workspace_config`, which reserves exactly the
+  platform's lease plan), with the indexer-dtype clamp
+  (:func:`indexer_kv_dtype`) and vLLM's micro-batch count
+  (:func:`num_ubatches`);
 * the per-model manager registry (:func:`manager_for`: one manager per
   ``(vllm_config, model_key)``, created by the model's first layer) and the
   serving factory (:func:`make_workspace`);
 * reserve-and-report (:func:`reserve_and_report`: the memory-budget check and
   ONE log line per manager at load: bytes per family, policy, micro-batches);
-* the step holder (:class:`StepHolder`: a layer's open
-  :class:`~vllm_dsv4_backend.eager.Step` per micro-batch and the stream it
+* the region holder (:class:`RegionHolder`: a layer's open
+  :class:`~vllm_dsv4_backend.eager.Region` per micro-batch and the stream it
   was opened on), which also marks the served model steps
   (``WorkspaceManager.model_step``: one per forward of the model's first
   layer for micro-batch 0; under pipeline parallelism the stage's first
@@ -48,24 +47,23 @@ import torch
 from vllm_dsv4_backend import eager, envs, testing
 from vllm_dsv4_backend._logging import init_logger
 from vllm_dsv4_backend.formats.constants import layer_kind
-from vllm_dsv4_backend.layer.plan import LEASE_PLAN
+from vllm_dsv4_backend.layer.plan import Dims, build_workspace_config
 from vllm_dsv4_backend.workspace import WorkspaceConfig, WorkspaceManager
 from vllm_dsv4_backend.workspace.budget import reserve_budget_bytes
-from vllm_dsv4_backend.workspace.sizing import LeasePlan
 
 logger = init_logger(__name__)
 
 __all__ = [
-    "LEASE_PLAN",
-    "StepHolder",
+    "RegionHolder",
     "indexer_kv_dtype",
     "layer_kind",
     "layer_span",
-    "lease_plan",
+    "link_owner",
     "live_line",
     "make_workspace",
     "manager_for",
     "num_ubatches",
+    "owner_of",
     "reserve_and_report",
     "ubatch_id",
     "workspace_config",
@@ -78,18 +76,21 @@ _managers: dict[tuple[int, int], WorkspaceManager] = {}
 _managers_lock = threading.Lock()
 
 
-# --- the lease plan ------------------------------------------------------------------
+# --- the link from a submodule (indexer, compressor) back to its layer -----------------
 
-def lease_plan(platform: str, indexer_kv_dtype: str) -> LeasePlan:
-    """:data:`LEASE_PLAN` of ``platform``'s layer for ``indexer_kv_dtype``."""
-    try:
-        return LeasePlan(LEASE_PLAN[platform][indexer_kv_dtype])
-    except KeyError:
-        raise ValueError(
-            f"lease plan: expected a platform in {sorted(LEASE_PLAN)} and an indexer "
-            f"dtype in {sorted(LEASE_PLAN['cuda'])}, got {platform!r}, "
-            f"{indexer_kv_dtype!r}"
-        ) from None
+
+def link_owner(module: Any, layer: Any) -> None:
+    """Let ``module`` (the layer's indexer or compressor, whose class the
+    layer swapped) find ``layer``: a weak reference in a plain attribute
+    (``nn.Module.__setattr__`` would register the parent as a submodule of
+    its own child, a cycle ``.train()``/``.eval()`` recurse through)."""
+    object.__setattr__(module, "_dsv4_owner_ref", weakref.ref(layer))
+
+
+def owner_of(module: Any) -> Any:
+    """The layer :func:`link_owner` linked ``module`` to (``None``: none, or gone)."""
+    ref = getattr(module, "_dsv4_owner_ref", None)
+    return ref() if ref is not None else None
 
 
 # --- micro-batches -------------------------------------------------------------------
@@ -139,21 +140,23 @@ def workspace_config(vllm_config: Any, layer: Any, platform: str) -> WorkspaceCo
     platform: ``max_num_batched_tokens``, ``n_local_heads``,
     ``padded_heads``, ``head_dim``).
 
-    It reserves exactly ``platform``'s :data:`LEASE_PLAN`.
+    It reserves exactly ``platform``'s lease plan (:data:`.plan.LEASE_PLAN`).
     """
     hf = vllm_config.model_config.hf_config
-    dtype = indexer_kv_dtype(vllm_config)
-    return WorkspaceConfig(
-        max_num_batched_tokens=int(layer.max_num_batched_tokens),
+    dims = Dims(
         num_local_heads=int(layer.n_local_heads),
         padded_q_heads=int(layer.padded_heads),
         head_dim=int(layer.head_dim),
         index_n_heads=int(hf.index_n_heads),
         index_head_dim=int(hf.index_head_dim),
         index_topk=int(hf.index_topk),
-        indexer_kv_dtype=dtype,
+    )
+    return build_workspace_config(
+        dims,
+        max_num_batched_tokens=int(layer.max_num_batched_tokens),
+        indexer_kv_dtype=indexer_kv_dtype(vllm_config),
+        platform=platform,
         num_ubatches=num_ubatches(vllm_config.parallel_config),
-        lease_plan=lease_plan(platform, dtype),
     )
 
 
@@ -253,23 +256,23 @@ def live_line(workspace: WorkspaceManager, label: str) -> str:
     return f"{workspace.live_summary(label)}, model steps at {workspace.first_layer}"
 
 
-# --- the step holder -----------------------------------------------------------------
+# --- the region holder ---------------------------------------------------------------
 
 
-class StepHolder:
-    """A layer's open :class:`~vllm_dsv4_backend.eager.Step` per micro-batch,
-    and the stream each was opened on (the step's home stream: vLLM's
+class RegionHolder:
+    """A layer's open :class:`~vllm_dsv4_backend.eager.Region` per micro-batch,
+    and the stream each was opened on (the region's home stream: vLLM's
     default stream; producers on aux streams declare it as consumer).
 
-    :meth:`open` is the layer forward's ``with``: it opens the step for the
+    :meth:`open` is the layer forward's ``with``: it opens the region for the
     current micro-batch (``dbo_current_ubatch_id()``), and every hook the
     forward reaches finds it with :meth:`current`. ``always_lookup=False``
     skips the micro-batch lookup when the workspace has one micro-batch
-    (every step is then micro-batch 0); ``True`` asks vLLM every time, so a
+    (every region is then micro-batch 0); ``True`` asks vLLM every time, so a
     micro-batch id beyond the reservation is refused by the workspace.
     """
 
-    __slots__ = ("_counts_steps", "_homes", "_log_every", "_lookup", "_seen", "_steps",
+    __slots__ = ("_counts_steps", "_homes", "_log_every", "_lookup", "_regions", "_seen",
                  "layer_name", "platform", "workspace")
 
     def __init__(
@@ -283,22 +286,22 @@ class StepHolder:
         self._counts_steps: bool | None = None  # decided at the first open
         self._seen = 0  # model steps begun (the first layer's holder only)
         self._lookup = always_lookup or workspace.config.num_ubatches > 1
-        self._steps: dict[int, eager.Step] = {}
+        self._regions: dict[int, eager.Region] = {}
         self._homes: dict[int, Any] = {}
 
     def _ubatch(self) -> int:
         return ubatch_id() if self._lookup else 0
 
-    def current(self) -> eager.Step | None:
-        """The open step of the current micro-batch (``None`` outside one)."""
-        return self._steps.get(self._ubatch()) if self._steps else None
+    def current(self) -> eager.Region | None:
+        """The open region of the current micro-batch (``None`` outside one)."""
+        return self._regions.get(self._ubatch()) if self._regions else None
 
     def home(self) -> Any:
-        """The stream the current micro-batch's step was opened on."""
+        """The stream the current micro-batch's region was opened on."""
         return self._homes.get(self._ubatch()) if self._homes else None
 
     @contextlib.contextmanager
-    def open(self, num_tokens: int) -> Iterator[eager.Step]:
+    def open(self, num_tokens: int) -> Iterator[eager.Region]:
         """One forward's leases of this layer and micro-batch, all released
         on exit (returned or raised)."""
         ws = self.workspace
@@ -313,13 +316,13 @@ class StepHolder:
                 if self._log_every and self._seen and self._seen % self._log_every == 0:
                     logger.info("%s", live_line(ws, self.platform))
                 self._seen = ws.model_step()
-        with eager.Step(ws, self.layer_name, num_tokens, ubatch) as step:
-            self._steps[ubatch] = step
+        with eager.Region(ws, self.layer_name, num_tokens, ubatch) as region:
+            self._regions[ubatch] = region
             self._homes[ubatch] = ws.backend.current_stream()
             try:
-                yield step
+                yield region
             finally:
-                self._steps.pop(ubatch, None)
+                self._regions.pop(ubatch, None)
                 self._homes.pop(ubatch, None)
 
 

@@ -33,7 +33,7 @@ lease, store the indexer compressor's entries and compute logits + top-k.
 ``VLLM_DSV4_KERNEL=torch`` swaps ``flash_mla_with_kvcache_cpu`` for the
 plugin's torch sparse MLA (for comparison); everything else stays vLLM's.
 
-Every lease belongs to one :class:`vllm_dsv4_backend.eager.Step` per layer
+Every lease belongs to one :class:`vllm_dsv4_backend.eager.Region` per layer
 and forward, released together on exit, exception or not.
 
 The index tables vLLM's layer rebuilds in every layer depend only on the
@@ -45,9 +45,10 @@ gather tables (:class:`DSV4Compressor`) and the short-context top-k rows
 reads it from there; the kernels get the same inputs.
 
 The methods whose bodies are vLLM's with only the buffers and the step's
-tables changed are listed (with a fingerprint of vLLM's source) in
-:data:`COPIED_VLLM_BODIES`; :mod:`vllm_dsv4_backend.vllm_compat` checks them
-when it installs the layer.
+tables changed are listed, with a fingerprint of vLLM's source, in the
+layer's drift table :data:`VLLM_DRIFT`; :func:`layer_cls` checks them
+(:mod:`vllm_dsv4_backend.vllm_compat.fingerprints`) when the layer is
+installed.
 """
 
 from __future__ import annotations
@@ -77,24 +78,37 @@ from vllm_dsv4_backend.workspace import WorkspaceManager
 
 logger = init_logger(__name__)
 
-__all__ = ["COPIED_VLLM_BODIES", "DSV4CPUAttention", "layer_cls"]
+__all__ = ["VLLM_DRIFT", "DSV4CPUAttention", "layer_cls"]
 
-# vLLM functions whose body the plugin's override repeats with only the output
-# buffers and the step's tables changed, or whose values a plugin function
-# reproduces in fewer ops: "module:qualname". vllm_compat fingerprints them at
-# install.
-COPIED_VLLM_BODIES: tuple[str, ...] = (
-    "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention.forward",
-    "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention.forward_mqa",
-    "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention._sparse_indexer_and_attn",
-    "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention._o_proj",
-    "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUIndexer.forward",
-    "vllm.models.deepseek_v4.cpu.cpu_sparse:_fused_indexer_q_rope_quant_cpu",
-    "vllm.models.deepseek_v4.cpu.cpu_compressor:DeepseekV4CPUCompressor.forward",
-    "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUIndexer._fill_short_context_topk",
-    "vllm.models.deepseek_v4.cpu.cpu_utils:map_local_to_global_slots_cpu",
-    "vllm.model_executor.layers.sparse_attn_indexer:SparseAttnIndexer.forward_cpu",
-)
+# The drift table: vLLM functions whose body the plugin's override repeats
+# with only the output buffers and the step's tables changed, or whose values
+# a plugin function reproduces in fewer ops, one entry each: "module:qualname"
+# -> (roles, {vLLM minor: fingerprint}) (roles and the check:
+# vllm_compat/fingerprints.py). Checked by layer_cls() at install. Copying one
+# more vLLM body = one more entry (`python -m
+# vllm_dsv4_backend.vllm_compat.fingerprints --layer cpu` prints the values).
+VLLM_DRIFT: dict[str, tuple[str, dict[str, str | None]]] = {
+    "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention.forward":
+        ("copied", {"0.32": "bad87d88271dd6de"}),
+    "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention.forward_mqa":
+        ("copied", {"0.32": "896634ba1fb6875f"}),
+    "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention._sparse_indexer_and_attn":
+        ("copied", {"0.32": "000c0a04b27111ae"}),
+    "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention._o_proj":
+        ("copied", {"0.32": "0790aa1a21f7f064"}),
+    "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUIndexer.forward":
+        ("copied", {"0.32": "00ccbabde569ae9a"}),
+    "vllm.models.deepseek_v4.cpu.cpu_sparse:_fused_indexer_q_rope_quant_cpu":
+        ("copied", {"0.32": "b0e50b53066c094b"}),
+    "vllm.models.deepseek_v4.cpu.cpu_compressor:DeepseekV4CPUCompressor.forward":
+        ("copied", {"0.32": "fdb4c92a793e7a23"}),
+    "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUIndexer._fill_short_context_topk":
+        ("copied", {"0.32": "3360905bf28beb17"}),
+    "vllm.models.deepseek_v4.cpu.cpu_utils:map_local_to_global_slots_cpu":
+        ("copied", {"0.32": "048fa28e5e24680a"}),
+    "vllm.model_executor.layers.sparse_attn_indexer:SparseAttnIndexer.forward_cpu":
+        ("copied", {"0.32": "bf2fb77b5fa5bdf2"}),
+}
 
 _ROPE_DIM = 64  # vLLM's cpu_sparse._ROPE_DIM: the rotated tail of each head
 _logged_kinds: set[str] = set()
@@ -267,16 +281,15 @@ def _mxfp4_indexer_store(*args: Any) -> None:
 
 
 class DSV4Indexer(DeepseekV4CPUIndexer):
-    """vLLM's CPU indexer with its quantized q written into the layer step's
+    """vLLM's CPU indexer with its quantized q written into the layer region's
     ``indexer_q`` lease (FP8: vLLM's ``fused_indexer_q_rope_quant_cpu``;
     MXFP4: the plugin's torch quantizer). Everything else is vLLM's
     ``forward``: the short-context fill of vLLM's top-k buffer, the order
     q-quant then compressor."""
 
-    # Set by DSV4CPUAttention (plain attributes: the indexer must not register
-    # its parent as a submodule).
+    # Set by DSV4CPUAttention (a plain attribute; the layer is linked with
+    # core.link_owner).
     _dsv4_dtype: str
-    _dsv4_owner: DSV4CPUAttention
 
     def forward(
         self,
@@ -299,7 +312,7 @@ class DSV4Indexer(DeepseekV4CPUIndexer):
                     self._fill_short_context_topk(positions, num_tokens)
                 return None, None, None
 
-        lease = self._dsv4_owner._step.lease("indexer_q")
+        lease = core.owner_of(self)._region.lease("indexer_q")
         num_tokens = positions.shape[0]
         q = self._wq_b_proj(qr, qr_scale).view(-1, self.n_head, self.head_dim)
         if self._dsv4_dtype == "fp8":
@@ -337,7 +350,7 @@ class DSV4Indexer(DeepseekV4CPUIndexer):
         step's first C4 layer, copied in by every C4 layer (each still writes
         the buffer, as vLLM's does)."""
         md = get_forward_context().attn_metadata[self.k_cache.prefix]
-        rows = self._dsv4_owner._tables.get(
+        rows = core.owner_of(self)._tables.get(
             "c4_fill", md, positions, lambda: self._visible_rows(positions, num_tokens)
         )
         self.topk_indices_buffer[:num_tokens, : self.topk_tokens] = rows
@@ -375,13 +388,11 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         self._workspace = workspace_manager_for(vllm_config, self)
         self._workspace.add_layer(self.prefix, self.compress_ratio)
         self._tables = _step_tables[id(self._workspace)]
-        self._steps = core.StepHolder(self._workspace, self.prefix, platform="CPU")
+        self._regions = core.RegionHolder(self._workspace, self.prefix, platform="CPU")
         if self.indexer is not None:
             self.indexer.__class__ = DSV4Indexer
             self.indexer._dsv4_dtype = self.indexer_kv_dtype
-            # Not nn.Module.__setattr__: that would register the parent as the
-            # indexer's submodule (a cycle that recurses in .train()/.eval()).
-            object.__setattr__(self.indexer, "_dsv4_owner", self)
+            core.link_owner(self.indexer, self)
         for compressor in (self.compressor, getattr(self.indexer, "compressor", None)):
             if compressor is not None:
                 compressor.__class__ = DSV4Compressor
@@ -402,10 +413,10 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         self._markers = envs.VLLM_DSV4_MARKER_DIR is not None
 
     @property
-    def _step(self) -> eager.Step | None:
-        """This layer's open step of the current micro-batch (``None`` outside
+    def _region(self) -> eager.Region | None:
+        """This layer's open region of the current micro-batch (``None`` outside
         its forward)."""
-        return self._steps.current()
+        return self._regions.current()
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         super().process_weights_after_loading(act_dtype)
@@ -428,9 +439,9 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         num_tokens = hidden_states.shape[0]
         if self._first_layer:
             self._tables.clear()
-        with self._steps.open(num_tokens) as step:
+        with self._regions.open(num_tokens) as region:
             try:
-                o_padded = step.lease("q")["out"]
+                o_padded = region.lease("q")["out"]
                 qr_kv = self._fused_wqa_wkv_gemm(hidden_states)
                 kv_score = None
                 if self.compressor is not None:
@@ -481,7 +492,7 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
             else:
                 self._indexer_topk_mxfp4(index_q, index_q_scale, index_weights, positions)
             # The indexer q's last consumer has run.
-            self._step.release("indexer_q")
+            self._region.release("indexer_q")
         self.forward_mqa(q, kv, positions, out)
         if not self._path_logged:
             self._log_path()
@@ -491,7 +502,7 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
     ) -> None:
         """vLLM's ``SparseAttnIndexer.forward_cpu`` (same kernels, same
         arguments) with the page ids ``topk_transform_512_cpu`` must write
-        going into the step's ``topk.global`` instead of a fresh buffer."""
+        going into the region's ``topk.global`` instead of a fresh buffer."""
         indexer = self.indexer
         md = get_forward_context().attn_metadata[indexer.k_cache.prefix]
         kv_cache = indexer.k_cache.kv_cache
@@ -499,7 +510,7 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         block_size = kv_cache.shape[1]
         topk_tokens = indexer.topk_tokens
         buf = indexer.topk_indices_buffer
-        page_scratch = self._step.lease("topk")["global"]
+        page_scratch = self._region.lease("topk")["global"]
         buf[:num_rows] = -1
         if md.num_prefills > 0:
             if topk_tokens != 512:
@@ -568,7 +579,7 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         flash_md = attn_metadata[self.prefix]
         ind_md = attn_metadata[indexer.k_cache.prefix]
         num_tokens = ind_md.num_decode_tokens + ind_md.num_prefill_tokens
-        topk = self._step.lease("topk")
+        topk = self._region.lease("topk")
         eager.select_topk_c4(
             positions=positions[:num_tokens],
             token_to_req=swa_md.token_to_req_indices[:num_tokens],
@@ -669,17 +680,17 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         ``o``), the bmm output in the fp32 inverse-RoPE result (dead once
         copied). The same casts and copies in the same order: the same bytes.
         Where vLLM's ``flatten`` is a view (one token), so is the plugin's."""
-        step = self._step
+        region = self._region
         num_tokens, num_heads, head_dim = o.shape
         groups, rank = self.n_local_groups, self.o_lora_rank
-        if (step is None or get_forward_context().attn_metadata is None
+        if (region is None or get_forward_context().attn_metadata is None
                 or o.dtype != torch.bfloat16 or groups * rank > num_heads * head_dim):
             return super()._o_proj(o, positions)
         o_derot = vllm_ops.inverse_gptj_rope_o_proj_cpu(
             o, positions, self.rotary_emb.cos_sin_cache, _ROPE_DIM
         )
         width = num_heads // groups * head_dim
-        scratch = step.lease("q")["out"].view(-1)
+        scratch = region.lease("q")["out"].view(-1)
         x = scratch[: groups * num_tokens * width].view(groups, num_tokens, width)
         x.copy_(o_derot.view(num_tokens, groups, width).transpose(0, 1))
         z = o_derot.view(-1).view(torch.bfloat16)[: groups * num_tokens * rank]
@@ -765,6 +776,6 @@ def layer_cls() -> type:
     from vllm_dsv4_backend.vllm_compat import fingerprints, patches
 
     minor = ".".join(str(vllm.__version__).split(".")[:2])
-    fingerprints.check(COPIED_VLLM_BODIES, minor)
+    fingerprints.check(VLLM_DRIFT, minor)
     patches.apply("mxfp4_indexer_cache")
     return DSV4CPUAttention

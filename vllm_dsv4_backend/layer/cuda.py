@@ -38,7 +38,7 @@ metadata / split accumulators, the ``wq_b`` GEMM outputs, ``row_ends`` and
 Graphs and streams (see ``docs/workspace.md`` and the reference reading of
 vLLM 0.33):
 
-* Every lease of a step belongs to an :class:`vllm_dsv4_backend.eager.Step`
+* Every lease belongs to an :class:`vllm_dsv4_backend.eager.Region`
   keyed by ``dbo_current_ubatch_id()``. The eager break
   (``_sparse_indexer_and_attn``, decorated again here) takes its own leases
   (the top-k family) and releases them before it returns, because at
@@ -57,17 +57,17 @@ vLLM 0.33):
   default stream before the next segment launches (an event wait across a
   capture boundary would be illegal, and is never needed).
 
-The vLLM bodies the overrides repeat are fingerprinted
-(:data:`COPIED_VLLM_BODIES`, checked by :func:`layer_cls`); the kernel
-objects' signatures are checked the same way (from source text for the CuTe
-DSL modules, which cannot be imported without ``cutlass``).
+The vLLM bodies the overrides repeat, the control flow the fences rely on
+and the methods vLLM decorates are fingerprinted in one drift table
+(:data:`VLLM_DRIFT`, checked by :func:`layer_cls`); the kernel objects'
+signatures are checked the same way (from source text for the CuTe DSL
+modules, which cannot be imported without ``cutlass``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import weakref
 from typing import Any
 
 import torch
@@ -82,15 +82,14 @@ from vllm_dsv4_backend import attention_config, eager, envs, testing
 from vllm_dsv4_backend.layer import core
 from vllm_dsv4_backend.layer.core import make_workspace, num_ubatches
 from vllm_dsv4_backend.layer.cuda_kernels import GraphSafeCudaStreamBackend, VllmCudaKernels
-from vllm_dsv4_backend.vllm_compat.fingerprints import source_fingerprint, source_params
+from vllm_dsv4_backend.vllm_compat.fingerprints import source_params
 from vllm_dsv4_backend.workspace import WorkspaceManager
 
 logger = init_logger(__name__)
 
 __all__ = [
-    "COPIED_VLLM_BODIES",
     "KERNEL_SIGNATURES",
-    "SOURCE_BODIES",
+    "VLLM_DRIFT",
     "DSV4CudaCompressor",
     "DSV4CudaIndexer",
     "DSV4FlashMLAAttention",
@@ -105,49 +104,72 @@ __all__ = [
 # The vLLM minor versions this module was read against.
 SUPPORTED_VLLM: tuple[tuple[int, int], ...] = ((0, 33), (0, 34))
 
-# vLLM methods whose body an override here repeats with only the output
-# buffers (and the kernel indirection) changed, or whose behaviour an override
-# relies on: "module:qualname", fingerprinted in vllm_compat/fingerprints.py.
-COPIED_VLLM_BODIES: tuple[str, ...] = (
+# The drift table: every vLLM symbol this layer depends on, one entry each,
+# "module:qualname" -> (roles, {vLLM minor: fingerprint}); checked by
+# layer_cls() (vllm_compat/fingerprints.py: the roles, the normalisation, the
+# messages). Roles: "copied" (an override here repeats the body with only the
+# output buffers and the kernel indirection changed, or relies on what it
+# calls), "fenced" (vLLM control flow the workspace fences' soundness rests on,
+# not repeated: the aux-stream fork/join that orders every hand-over at graph
+# replay, the eager break and the breakable capture, the compressor's stream
+# choice and the parallel input projections; see docs/workspace.md),
+# "decorated" (vLLM decorates it with eager_break_during_capture; checked on
+# DeepseekV4FlashMLAAttention), "source" (read from the source text: the
+# module imports cutlass). None: absent in that minor (checked). Copying one
+# more vLLM body = one more entry, with a fingerprint per supported minor
+# (`python -m vllm_dsv4_backend.vllm_compat.fingerprints --layer cuda` prints
+# them). Keep it a literal: tools/cuda_graph/build_stub.py reads it from this
+# file's text (it cuts the "copied"/"fenced" bodies of the modules it stubs).
+VLLM_DRIFT: dict[str, tuple[str, dict[str, str | None]]] = {
     # forward() wraps it: relies on it calling _alloc_attn_out and _o_proj.
-    "vllm.models.deepseek_v4.attention:DeepseekV4Attention.forward",
-    "vllm.models.deepseek_v4.attention:DeepseekV4Attention._alloc_attn_out",
-    "vllm.models.deepseek_v4.attention:DeepseekV4Attention._sparse_indexer_and_attn",
-    "vllm.models.deepseek_v4.attention:DeepseekV4Attention._prepare_and_attn",
-    "vllm.models.deepseek_v4.attention:DeepseekV4Indexer._q_rope_quant",
-    "vllm.models.deepseek_v4.attention:DeepseekV4Indexer.forward",
-    "vllm.models.deepseek_v4.common.ops.fused_indexer_q:fused_indexer_q_rope_quant",
-    "vllm.models.deepseek_v4.common.ops.cache_utils:compute_global_topk_indices_and_lens",
-    "vllm.models.deepseek_v4.compressor:DeepseekCompressor._compress_norm_rope_store",
-    "vllm.models.deepseek_v4.nvidia.flashmla:DeepseekV4FlashMLAAttention._forward_decode",
-    "vllm.models.deepseek_v4.nvidia.flashmla:DeepseekV4FlashMLAAttention.forward_mqa",
-)
-
-# vLLM control flow the workspace fences' soundness rests on (not repeated
-# here, but relied on: the aux-stream fork/join that orders every hand-over
-# at graph replay, the eager break and the breakable capture, the
-# compressor's stream choice and the parallel input projections; see
-# docs/workspace.md), per vLLM minor version: fingerprinted so a change is
-# a loud refusal instead of a silent race.
-_FENCE_CONTROL_FLOW_COMMON = (
-    "vllm.utils.multi_stream_utils:execute_in_parallel",
-    "vllm.utils.multi_stream_utils:maybe_execute_in_parallel",
-    "vllm.compilation.breakable_cudagraph:eager_break_during_capture",
-    "vllm.compilation.breakable_cudagraph:BreakableCUDAGraphCapture",
-    "vllm.models.deepseek_v4.compressor:DeepseekCompressor.forward",
-    "vllm.models.deepseek_v4.attention:DeepseekV4Attention._run_parallel_input_projections",
-)
-FENCE_CONTROL_FLOW: dict[str, tuple[str, ...]] = {
-    "0.33": (*_FENCE_CONTROL_FLOW_COMMON,
-             "vllm.models.deepseek_v4.attention:DeepseekV4Attention._prepare_and_attn_eager"),
-    "0.34": _FENCE_CONTROL_FLOW_COMMON,
-}
-
-# vLLM methods decorated with eager_break_during_capture, per minor version
-# (0.34 removed MRV1 and with it _prepare_and_attn_eager).
-DECORATED: dict[str, tuple[str, ...]] = {
-    "0.33": ("_sparse_indexer_and_attn", "_prepare_and_attn_eager"),
-    "0.34": ("_sparse_indexer_and_attn",),
+    # 0.34: `_prepare_and_attn_fn(` -> `_prepare_and_attn(`.
+    "vllm.models.deepseek_v4.attention:DeepseekV4Attention.forward":
+        ("copied", {"0.33": "f6cb1b89b5a9524e", "0.34": "f3dd00fb7c177bbb"}),
+    "vllm.models.deepseek_v4.attention:DeepseekV4Attention._alloc_attn_out":
+        ("copied", {"0.33": "849d7b8129de8176", "0.34": "849d7b8129de8176"}),
+    "vllm.models.deepseek_v4.attention:DeepseekV4Attention._sparse_indexer_and_attn":
+        ("copied decorated", {"0.33": "6cbd97b346291a0e", "0.34": "6cbd97b346291a0e"}),
+    "vllm.models.deepseek_v4.attention:DeepseekV4Attention._prepare_and_attn":
+        ("copied", {"0.33": "286b9609633989d6", "0.34": "286b9609633989d6"}),
+    "vllm.models.deepseek_v4.attention:DeepseekV4Indexer._q_rope_quant":
+        ("copied", {"0.33": "fb2555cb2fb4264a", "0.34": "fb2555cb2fb4264a"}),
+    # 0.34: `_fill_short_context_topk_indices` made public.
+    "vllm.models.deepseek_v4.attention:DeepseekV4Indexer.forward":
+        ("copied", {"0.33": "5107191d0d64dabc", "0.34": "67606356967df910"}),
+    # 0.34: its CPU branch imports `vllm._cpu_ops`.
+    "vllm.models.deepseek_v4.common.ops.fused_indexer_q:fused_indexer_q_rope_quant":
+        ("copied", {"0.33": "ba22a863327681be", "0.34": "351c53c1351daaae"}),
+    "vllm.models.deepseek_v4.common.ops.cache_utils:compute_global_topk_indices_and_lens":
+        ("copied", {"0.33": "d1d3086ee9a8f9d2", "0.34": "d1d3086ee9a8f9d2"}),
+    "vllm.models.deepseek_v4.compressor:DeepseekCompressor._compress_norm_rope_store":
+        ("copied", {"0.33": "45873ded08c4b0e9", "0.34": "45873ded08c4b0e9"}),
+    "vllm.models.deepseek_v4.nvidia.flashmla:DeepseekV4FlashMLAAttention._forward_decode":
+        ("copied", {"0.33": "6caed9c89e317811", "0.34": "6caed9c89e317811"}),
+    "vllm.models.deepseek_v4.nvidia.flashmla:DeepseekV4FlashMLAAttention.forward_mqa":
+        ("copied", {"0.33": "6b62ae5fa919f811", "0.34": "6b62ae5fa919f811"}),
+    # DSV4CudaCompressor._compress_norm_rope_store repeats its C128 branch (the
+    # file is byte-identical in 0.33.0 and 0.34.0).
+    "vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl:"
+    "SparseAttnCompressorCuteDSL.__call__":
+        ("copied source", {"0.33": "1aed2b6b14e57d54", "0.34": "1aed2b6b14e57d54"}),
+    # --- the control flow the fences rely on ---
+    "vllm.utils.multi_stream_utils:execute_in_parallel":
+        ("fenced", {"0.33": "2640fdf87dd37260", "0.34": "2640fdf87dd37260"}),
+    "vllm.utils.multi_stream_utils:maybe_execute_in_parallel":
+        ("fenced", {"0.33": "73fdf282243c4653", "0.34": "73fdf282243c4653"}),
+    "vllm.compilation.breakable_cudagraph:eager_break_during_capture":
+        ("fenced", {"0.33": "2c704948c5b1c76d", "0.34": "2c704948c5b1c76d"}),
+    "vllm.compilation.breakable_cudagraph:BreakableCUDAGraphCapture":
+        ("fenced", {"0.33": "8269becd5503697e", "0.34": "8269becd5503697e"}),
+    "vllm.models.deepseek_v4.compressor:DeepseekCompressor.forward":
+        ("fenced", {"0.33": "2d960f098ef54037", "0.34": "2d960f098ef54037"}),
+    # 0.34: the compressors' `torch.mm(out_dtype=f32)` became their
+    # `fused_wkv_wgate` module, same streams.
+    "vllm.models.deepseek_v4.attention:DeepseekV4Attention._run_parallel_input_projections":
+        ("fenced", {"0.33": "c12534fd255ef740", "0.34": "5cbce5f307abc0fc"}),
+    # MRV1's eager path, removed in 0.34.
+    "vllm.models.deepseek_v4.attention:DeepseekV4Attention._prepare_and_attn_eager":
+        ("fenced decorated", {"0.33": "9fef557e90c02951", "0.34": None}),
 }
 
 # Kernel objects called with caller-owned outputs: (module, class.__call__,
@@ -186,15 +208,6 @@ KERNEL_SIGNATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
       "rope_head_dim")),
 )
 
-# Bodies mirrored from modules that import ``cutlass`` (no import on CPU):
-# (module, qualname) -> fingerprint of the source text, vLLM 0.33.0 and 0.34.0
-# (the file is byte-identical in both).
-SOURCE_BODIES: dict[tuple[str, str], str] = {
-    # DSV4CudaCompressor._compress_norm_rope_store repeats its C128 branch.
-    ("vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl",
-     "SparseAttnCompressorCuteDSL.__call__"): "1aed2b6b14e57d54",
-}
-
 # --- workspace ---------------------------------------------------------------------
 
 
@@ -215,22 +228,12 @@ def workspace_manager_for(
                             streams=_graph_safe_streams)
 
 
-def _owner(module: Any) -> DSV4FlashMLAAttention | None:
-    ref = getattr(module, "_dsv4_owner_ref", None)
-    return ref() if ref is not None else None
-
-
-def _set_owner(module: Any, owner: DSV4FlashMLAAttention) -> None:
-    # A plain attribute: nn.Module.__setattr__ would register the parent
-    # layer as a submodule of its own child.
-    object.__setattr__(module, "_dsv4_owner_ref", weakref.ref(owner))
-
 
 # --- the indexer and the C128 compressor -------------------------------------------
 
 
 class DSV4CudaIndexer(DeepseekV4Indexer):
-    """vLLM's indexer with the quantized index q written into the step's
+    """vLLM's indexer with the quantized index q written into the region's
     ``indexer_q`` lease by vLLM's kernel objects (on aux0 in vLLM's fan-out:
     the lease is taken on the stream the call runs on, and the default
     stream, where ``indexer_op`` reads it, is declared as consumer)."""
@@ -242,16 +245,18 @@ class DSV4CudaIndexer(DeepseekV4Indexer):
         rotary_emb: torch.nn.Module,
         indexer_weights: torch.Tensor,
     ) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
-        owner = _owner(self)
-        step = owner._dsv4_current_step() if owner is not None else None
-        if (
-            step is None
-            or positions.shape[0] != step.num_tokens
-            or (not self.use_fp4_kv and _platform_fp8_dtype() != torch.float8_e4m3fn)
-        ):
-            # Dummy/profile run, or a shape the workspace was not sized for.
+        owner = core.owner_of(self)
+        region = owner._dsv4_current_region() if owner is not None else None
+        if region is None:
+            # Dummy/profile run: vLLM's code, nothing leased.
             return super()._q_rope_quant(positions, q, rotary_emb, indexer_weights)
-        lease = step.lease("indexer_q")
+        if positions.shape[0] != region.num_tokens or (
+            not self.use_fp4_kv and _platform_fp8_dtype() != torch.float8_e4m3fn
+        ):
+            # A shape or an FP8 dtype the workspace was not sized for: vLLM allocates.
+            owner._workspace.count_fallback(owner.prefix, "indexer_q")
+            return super()._q_rope_quant(positions, q, rotary_emb, indexer_weights)
+        lease = region.lease("indexer_q")
         home = owner._dsv4_home_stream()
         if home is not None:
             lease.used_on(home)
@@ -302,19 +307,23 @@ class DSV4CudaCompressor(DeepseekCompressor):
         attn_metadata: dict[str, Any],
         pdl_kwargs: dict,
     ) -> None:
-        owner = _owner(self)
-        step = owner._dsv4_current_step() if owner is not None else None
+        owner = core.owner_of(self)
+        region = owner._dsv4_current_region() if owner is not None else None
         k_cache_layer = self._static_forward_context[self.k_cache_prefix]
         kv_cache = k_cache_layer.kv_cache
         slot_mapping = state_metadata.slot_mapping
         num_actual = slot_mapping.shape[0]
         if (
-            step is None
+            region is None
             or self.compress_ratio != 128
             or self.head_dim != 512
             or kv_cache.dtype != torch.uint8
-            or num_actual > step.num_tokens
+            or num_actual > region.num_tokens
         ):
+            if region is not None and self.compress_ratio == 128 and positions.numel():
+                # Served, but a layout (plain-row cache) or a size the scratch
+                # lease does not cover: vLLM's wrapper allocates its scratch.
+                owner._workspace.count_fallback(owner.prefix, "compressor")
             super()._compress_norm_rope_store(
                 state_metadata, state_cache, state_width, positions, rotary_emb,
                 attn_metadata, pdl_kwargs,
@@ -337,7 +346,7 @@ class DSV4CudaCompressor(DeepseekCompressor):
                 f"block_size={state_block_size}, got {block_size}."
             )
         k_cache_metadata = attn_metadata[self.k_cache_prefix]
-        lease = step.lease("compressor")
+        lease = region.lease("compressor")
         compressed_kv = lease["scratch"][:num_actual]
         kernels.c128_compress(
             state_cache=state_cache,
@@ -363,7 +372,7 @@ class DSV4CudaCompressor(DeepseekCompressor):
             rope_head_dim=self.rope_head_dim,
         )
         # Producer and consumer share this stream: hand the slot back now.
-        step.release("compressor")
+        region.release("compressor")
 
 
 # --- the layer ---------------------------------------------------------------------
@@ -400,7 +409,7 @@ class DSV4FlashMLAAttention(DeepseekV4FlashMLAAttention):
         layers built without a ``VllmConfig``)."""
         self._workspace = workspace
         self._dsv4_kernels = kernels if kernels is not None else VllmCudaKernels()
-        self._dsv4_steps = core.StepHolder(workspace, self.prefix, always_lookup=True,
+        self._dsv4_regions = core.RegionHolder(workspace, self.prefix, always_lookup=True,
                                            platform="CUDA")
         self._dsv4_logged = False
         self._dsv4_memory_utilization: float | None = None
@@ -408,25 +417,25 @@ class DSV4FlashMLAAttention(DeepseekV4FlashMLAAttention):
         if self.indexer is not None:
             if not isinstance(self.indexer, DSV4CudaIndexer):
                 self.indexer.__class__ = DSV4CudaIndexer
-            _set_owner(self.indexer, self)
+            core.link_owner(self.indexer, self)
         if self.compressor is not None and self.compress_ratio == 128:
             # Built directly as DeepseekCompressor (no factory hook in 0.33);
             # the subclass adds no state.
             self.compressor.__class__ = DSV4CudaCompressor
-            _set_owner(self.compressor, self)
+            core.link_owner(self.compressor, self)
 
-    # --- step state (per micro-batch) ----------------------------------------------
+    # --- region state (per micro-batch) --------------------------------------------
 
-    def _dsv4_current_step(self) -> eager.Step | None:
-        return self._dsv4_steps.current()
+    def _dsv4_current_region(self) -> eager.Region | None:
+        return self._dsv4_regions.current()
 
     def _dsv4_home_stream(self) -> Any:
-        return self._dsv4_steps.home()
+        return self._dsv4_regions.home()
 
-    def dsv4_step(self, num_tokens: int) -> contextlib.AbstractContextManager[eager.Step]:
+    def dsv4_region(self, num_tokens: int) -> contextlib.AbstractContextManager[eager.Region]:
         """One forward's leases of this layer and micro-batch, released on
-        exit; the current stream is the step's home (default) stream."""
-        return self._dsv4_steps.open(num_tokens)
+        exit; the current stream is the region's home (default) stream."""
+        return self._dsv4_regions.open(num_tokens)
 
     def _dsv4_reserve(self) -> None:
         # `private` is refused here, with the bytes and the budget, when one
@@ -457,13 +466,13 @@ class DSV4FlashMLAAttention(DeepseekV4FlashMLAAttention):
         llama_4_scaling: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # vLLM's forward unchanged; the overridden hooks below lease from the
-        # step opened here.
+        # region opened here.
         self._dsv4_reserve()
         attn_metadata = get_forward_context().attn_metadata
         if not isinstance(attn_metadata, dict):
             # Dummy / profile run: vLLM's code, nothing leased or written.
             return super().forward(positions, hidden_states, llama_4_scaling)
-        with self.dsv4_step(hidden_states.shape[0]):
+        with self.dsv4_region(hidden_states.shape[0]):
             out = super().forward(positions, hidden_states, llama_4_scaling)
         if not self._dsv4_logged:
             self._dsv4_logged = True
@@ -473,18 +482,19 @@ class DSV4FlashMLAAttention(DeepseekV4FlashMLAAttention):
 
     @property
     def indexer_kv_dtype(self) -> str:
-        return self._workspace.config.indexer_kv_dtype
+        return self._workspace.config.params["indexer_kv_dtype"]
 
     def _alloc_attn_out(self, num_tokens: int, hidden_states: torch.Tensor) -> Any:
-        step = self._dsv4_current_step()
-        if (
-            step is None
-            or num_tokens != step.num_tokens
-            or hidden_states.dtype != torch.bfloat16
-        ):
+        region = self._dsv4_current_region()
+        if region is None:
+            # Dummy/profile run: vLLM's code, nothing leased.
+            return super()._alloc_attn_out(num_tokens, hidden_states)
+        if num_tokens != region.num_tokens or hidden_states.dtype != torch.bfloat16:
+            # A size or dtype the workspace was not sized for: vLLM allocates.
+            self._workspace.count_fallback(self.prefix, "q")
             return super()._alloc_attn_out(num_tokens, hidden_states)
         # Consumed by _o_proj on this (default) stream, after the eager break.
-        return step.lease("q")["out"]
+        return region.lease("q")["out"]
 
     @eager_break_during_capture
     def _sparse_indexer_and_attn(
@@ -509,10 +519,10 @@ class DSV4FlashMLAAttention(DeepseekV4FlashMLAAttention):
                 index_weights,
             )
             # Its last consumer is enqueued. At piecewise-graph replay only this
-            # body runs (no step): the lease was taken and returned at capture.
-            step = self._dsv4_current_step()
-            if step is not None:
-                step.release("indexer_q")
+            # body runs (no region): the lease was taken and returned at capture.
+            region = self._dsv4_current_region()
+            if region is not None:
+                region.release("indexer_q")
 
         # MLA attention writes into the pre-allocated `out` buffer
         # (see _alloc_attn_out).
@@ -546,13 +556,13 @@ class DSV4FlashMLAAttention(DeepseekV4FlashMLAAttention):
                     # C4A: local indices differ per layer (filled by Indexer).
                     assert self.topk_indices_buffer is not None
                     local = self.topk_indices_buffer[:num_decode_tokens]
-                    if ws.reserved and local.shape[-1] == ws.config.index_topk:
-                        # Its own step: at graph replay this eager body runs
+                    if ws.reserved and local.shape[-1] == ws.config.params["index_topk"]:
+                        # Its own region: at graph replay this eager body runs
                         # without the forward's.
-                        step = stack.enter_context(
-                            eager.Step(ws, self.prefix, num_decode_tokens, core.ubatch_id())
+                        region = stack.enter_context(
+                            eager.Region(ws, self.prefix, num_decode_tokens, core.ubatch_id())
                         )
-                        lease = step.lease("topk")
+                        lease = region.lease("topk")
                         global_indices, topk_lens = lease["global"], lease["lens"]
                         kernels.global_topk_indices_and_lens(
                             global_indices,
@@ -564,6 +574,9 @@ class DSV4FlashMLAAttention(DeepseekV4FlashMLAAttention):
                             is_valid,
                         )
                     else:
+                        # Not reserved, or a top-k width the workspace was not
+                        # sized for: vLLM's wrapper allocates both outputs.
+                        ws.count_fallback(self.prefix, "topk")
                         from vllm.models.deepseek_v4.common.ops import (
                             compute_global_topk_indices_and_lens,
                         )
@@ -682,7 +695,7 @@ def check_kernel_signatures() -> None:
 def _checked() -> type:
     import vllm
 
-    from vllm_dsv4_backend.vllm_compat import fingerprints, hooks, version
+    from vllm_dsv4_backend.vllm_compat import fingerprints, version
 
     key = version.parse_version(str(vllm.__version__))
     if key not in SUPPORTED_VLLM:
@@ -692,24 +705,9 @@ def _checked() -> type:
             + f"; this is vLLM {vllm.__version__}"
         )
     minor = f"{key[0]}.{key[1]}"
-    fingerprints.check(COPIED_VLLM_BODIES, minor)
-    fingerprints.check(FENCE_CONTROL_FLOW[minor], minor)
+    # Copied bodies, fenced control flow, decorated methods: one table.
+    fingerprints.check(VLLM_DRIFT, minor, decorated_on=DeepseekV4FlashMLAAttention)
     check_kernel_signatures()
-    for (module_name, qualname), want in SOURCE_BODIES.items():
-        got = source_fingerprint(module_name, qualname)
-        if got != want:
-            raise hooks.fail(
-                f"{module_name}.{qualname}",
-                f"its source changed (fingerprint {got}, the plugin's copy was written "
-                f"against {want}); the plugin's copy of this body must be re-read",
-            )
-    for name in DECORATED[minor]:
-        base = getattr(DeepseekV4FlashMLAAttention, name, None)
-        if not hasattr(base, "__wrapped__"):
-            raise hooks.fail(
-                f"DeepseekV4Attention.{name}",
-                "is missing or no longer decorated with eager_break_during_capture",
-            )
     return DSV4FlashMLAAttention
 
 

@@ -48,6 +48,17 @@ from vllm_dsv4_backend.workspace.streams import StreamBackend
 VARIANTS: tuple[str, ...] = ("wide", "narrow", "random")
 STREAM_ROLES: tuple[str, ...] = ("default", "aux0", "aux1")
 
+# The schedule's lease plan (for ``layer.plan.build_workspace_config(plan=...)``):
+# every family each layer kind uses in vLLM's wide eager region (MRV1, the
+# region #49236 served), C4's compressor scratch included (one of the ways
+# the pool broke), and the attention output as the q family.
+WIDE_PLAN: dict[str, dict[str, tuple[str, ...]]] = {
+    "swa": {"q": ("out",)},
+    "c4": {"q": ("out",), "indexer_q": ("q", "scales", "weights"),
+           "topk": ("local", "global", "lens"), "compressor": ("scratch",)},
+    "c128": {"q": ("out",), "compressor": ("scratch",)},
+}
+
 
 def as_int32_words(t: torch.Tensor) -> torch.Tensor:
     """A contiguous view's bytes as a flat int32 tensor.

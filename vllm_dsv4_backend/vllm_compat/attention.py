@@ -30,14 +30,12 @@ module (the class is usually resolved lazily, because it subclasses vLLM
 layers whose import is heavy). The plugin's ``register()`` calls it when
 ``VLLM_DSV4_ATTN_IMPL`` selects the plugin layer, taking the class from
 ``vllm_dsv4_backend.layer.get_attention_layer_cls(platform: str) -> type``
-(:data:`LAYER_MODULE`, :data:`LAYER_FACTORY`); ``VLLM_DSV4_ATTN_IMPL=vllm``
+(:data:`LAYER_MODULE`); ``VLLM_DSV4_ATTN_IMPL=vllm``
 leaves vLLM's own layer in place.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -52,9 +50,7 @@ __all__ = [
     "CPU_SYMBOL",
     "CUDA_MODULE",
     "CUDA_SYMBOL",
-    "LAYER_FACTORY",
     "LAYER_MODULE",
-    "find_plugin_layer",
     "install_attention_layer",
     "installed_attention_layer",
 ]
@@ -70,7 +66,6 @@ CUDA_DECODER_LAYER = "DeepseekV4DecoderLayer"
 # byte-identical in 0.33.0 and 0.34.0).
 CUDA_VLLM: tuple[tuple[int, int], ...] = ((0, 33), (0, 34))
 LAYER_MODULE = "vllm_dsv4_backend.layer"
-LAYER_FACTORY = "get_attention_layer_cls"
 
 _installed: dict[str, Any] = {}
 
@@ -78,29 +73,6 @@ _installed: dict[str, Any] = {}
 def installed_attention_layer() -> type | None:
     """The layer class installed in this process so far (None: vLLM's own)."""
     return _installed.get("cls")
-
-
-def find_plugin_layer(platform: str) -> Callable[[], type] | None:
-    """Lazy factory for the plugin's layer class, or None if none is shipped.
-
-    Looks for :data:`LAYER_MODULE` without importing it (it imports vLLM's
-    DeepSeek-V4 modules); the returned callable imports it and calls
-    ``get_attention_layer_cls(platform)``.
-    """
-    if importlib.util.find_spec(LAYER_MODULE) is None:
-        return None
-
-    def factory() -> type:
-        module = importlib.import_module(LAYER_MODULE)
-        get_cls = getattr(module, LAYER_FACTORY, None)
-        if not callable(get_cls):
-            raise RuntimeError(
-                f"{LAYER_MODULE} must define {LAYER_FACTORY}(platform: str) -> type "
-                "to provide the plugin's DeepSeek-V4 attention layer"
-            )
-        return get_cls(platform)
-
-    return factory
 
 
 def _check_layer_cls(cls: Any) -> type:

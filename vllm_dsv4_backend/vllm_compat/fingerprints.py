@@ -1,116 +1,83 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Fingerprints of the vLLM methods whose bodies the plugin's layers repeat
-(with only the output buffers changed) or whose module globals they swap.
+"""The drift check of the vLLM symbols the plugin's layers depend on: the
+mechanism (normalised source fingerprints, :func:`check`, the error
+messages). The symbols themselves are listed by each layer, in its own
+module, in one *drift table* (``VLLM_DRIFT`` of ``layer/cuda.py`` and of
+``layer/cpu.py``).
 
 vLLM's DeepSeek-V4 files change weekly. A copied body that silently drifts
 from vLLM's would make the plugin's layer compute something vLLM no longer
-does, so :func:`check` compares the source of each listed symbol with the
-fingerprint recorded for the vLLM version it was read from, and fails loudly
-(vLLM version, symbol, both fingerprints) when it differs. Re-read the new
-vLLM source, update the override, then the table (``python -m
-vllm_dsv4_backend.vllm_compat.fingerprints SYMBOL...`` prints the values).
+does, so :func:`check` compares the source of each symbol of a layer's table
+with the fingerprint recorded for the vLLM version it was read from, and
+fails loudly (vLLM version, symbol, both fingerprints) when it differs.
+Re-read the new vLLM source, update the override, then the table (``python -m
+vllm_dsv4_backend.vllm_compat.fingerprints --layer cuda`` prints the installed
+vLLM's value of each entry next to the recorded one; ``... SYMBOL...`` one
+symbol's).
+
+A drift table maps ``"module:qualname"`` to ``(roles, {vLLM minor:
+fingerprint})``:
+
+* ``roles``: a space-separated string of :data:`ROLES`: exactly one of
+  ``copied`` (the layer repeats the body with only its output buffers
+  changed, or relies on what it calls) and ``fenced`` (vLLM control flow the
+  workspace fences' soundness rests on, not repeated), plus ``decorated``
+  (vLLM decorates the method with ``eager_break_during_capture``: it must
+  stay decorated, and the layer's override decorates it again) and/or
+  ``source`` (fingerprinted from the module's source text, not imported: the
+  CuTe DSL modules import ``cutlass``);
+* one fingerprint per vLLM minor the layer supports, ``None`` where the
+  symbol does not exist in that minor (checked: it must stay absent). A
+  minor missing from an entry is an error (``no fingerprint recorded``), so
+  every entry covers every supported version.
+
+A table is a plain literal (strings, tuples, dicts, ``None``) so that the
+tools which must not import vLLM (``tools/cuda_graph/build_stub.py``) read it
+from the layer module's text (:func:`read_table`).
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import hashlib
 import importlib
 import importlib.util
 import inspect
 import sys
-from collections.abc import Iterable
+from collections.abc import Mapping
+from pathlib import Path
 
 from vllm_dsv4_backend.vllm_compat import hooks
 
 __all__ = [
-    "KNOWN",
+    "COPIED",
+    "DECORATED",
+    "FENCED",
+    "ROLES",
+    "SOURCE",
+    "DriftTable",
     "check",
     "definition",
     "definition_text",
     "fingerprint",
     "fingerprint_text",
+    "read_table",
     "source_fingerprint",
     "source_params",
+    "symbols",
+    "validate",
 ]
 
-# vLLM minor version -> {"module:qualname": sha256[:16] of the normalized source}
-KNOWN: dict[str, dict[str, str]] = {
-    "0.32": {
-        "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention.forward":
-            "bad87d88271dd6de",
-        "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention.forward_mqa":
-            "896634ba1fb6875f",
-        "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention._sparse_indexer_and_attn":
-            "000c0a04b27111ae",
-        "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention._o_proj":
-            "0790aa1a21f7f064",
-        "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUIndexer.forward":
-            "00ccbabde569ae9a",
-        "vllm.models.deepseek_v4.cpu.cpu_sparse:_fused_indexer_q_rope_quant_cpu":
-            "b0e50b53066c094b",
-        "vllm.models.deepseek_v4.cpu.cpu_compressor:DeepseekV4CPUCompressor.forward":
-            "fdb4c92a793e7a23",
-        "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUIndexer._fill_short_context_topk":
-            "3360905bf28beb17",
-        "vllm.models.deepseek_v4.cpu.cpu_utils:map_local_to_global_slots_cpu":
-            "048fa28e5e24680a",
-        "vllm.model_executor.layers.sparse_attn_indexer:SparseAttnIndexer.forward_cpu":
-            "bf2fb77b5fa5bdf2",
-    },
-    # Read from the vllm==0.33.0 wheel (layer/cuda.py COPIED_VLLM_BODIES).
-    "0.33": {
-        "vllm.models.deepseek_v4.attention:DeepseekV4Attention.forward":
-            "f6cb1b89b5a9524e",
-        "vllm.models.deepseek_v4.attention:DeepseekV4Attention._alloc_attn_out":
-            "849d7b8129de8176",
-        "vllm.models.deepseek_v4.attention:DeepseekV4Attention._sparse_indexer_and_attn":
-            "6cbd97b346291a0e",
-        "vllm.models.deepseek_v4.attention:DeepseekV4Attention._prepare_and_attn":
-            "286b9609633989d6",
-        "vllm.models.deepseek_v4.attention:DeepseekV4Indexer._q_rope_quant":
-            "fb2555cb2fb4264a",
-        "vllm.models.deepseek_v4.attention:DeepseekV4Indexer.forward":
-            "5107191d0d64dabc",
-        "vllm.models.deepseek_v4.common.ops.fused_indexer_q:fused_indexer_q_rope_quant":
-            "ba22a863327681be",
-        "vllm.models.deepseek_v4.common.ops.cache_utils:compute_global_topk_indices_and_lens":
-            "d1d3086ee9a8f9d2",
-        "vllm.models.deepseek_v4.compressor:DeepseekCompressor._compress_norm_rope_store":
-            "45873ded08c4b0e9",
-        "vllm.models.deepseek_v4.nvidia.flashmla:DeepseekV4FlashMLAAttention._forward_decode":
-            "6caed9c89e317811",
-        "vllm.models.deepseek_v4.nvidia.flashmla:DeepseekV4FlashMLAAttention.forward_mqa":
-            "6b62ae5fa919f811",
-        # The control flow the workspace fences rely on (layer/cuda.py FENCE_CONTROL_FLOW).
-        "vllm.utils.multi_stream_utils:execute_in_parallel": "2640fdf87dd37260",
-        "vllm.utils.multi_stream_utils:maybe_execute_in_parallel": "73fdf282243c4653",
-        "vllm.compilation.breakable_cudagraph:eager_break_during_capture": "2c704948c5b1c76d",
-        "vllm.compilation.breakable_cudagraph:BreakableCUDAGraphCapture": "8269becd5503697e",
-        "vllm.models.deepseek_v4.compressor:DeepseekCompressor.forward": "2d960f098ef54037",
-        "vllm.models.deepseek_v4.attention:DeepseekV4Attention._run_parallel_input_projections":
-            "c12534fd255ef740",
-        "vllm.models.deepseek_v4.attention:DeepseekV4Attention._prepare_and_attn_eager":
-            "9fef557e90c02951",
-    },
-}
-# Read from the vllm==0.34.0 wheel: 0.33's values but for four bodies that
-# changed by a line each (forward: `_prepare_and_attn_fn(` -> `_prepare_and_attn(`;
-# Indexer.forward: `_fill_short_context_topk_indices` made public;
-# fused_indexer_q_rope_quant: its CPU branch imports `vllm._cpu_ops`;
-# _run_parallel_input_projections: the compressors' `torch.mm(out_dtype=f32)`
-# became their `fused_wkv_wgate` module, same streams), and without MRV1's
-# `_prepare_and_attn_eager` (removed in 0.34).
-KNOWN["0.34"] = {
-    **{k: v for k, v in KNOWN["0.33"].items() if not k.endswith("._prepare_and_attn_eager")},
-    "vllm.models.deepseek_v4.attention:DeepseekV4Attention.forward": "f3dd00fb7c177bbb",
-    "vllm.models.deepseek_v4.attention:DeepseekV4Indexer.forward": "67606356967df910",
-    "vllm.models.deepseek_v4.common.ops.fused_indexer_q:fused_indexer_q_rope_quant":
-        "351c53c1351daaae",
-    "vllm.models.deepseek_v4.attention:DeepseekV4Attention._run_parallel_input_projections":
-        "5cbce5f307abc0fc",
-}
+COPIED = "copied"
+FENCED = "fenced"
+DECORATED = "decorated"
+SOURCE = "source"
+ROLES: tuple[str, ...] = (COPIED, FENCED, DECORATED, SOURCE)
+
+# "module:qualname" -> (roles, {vLLM minor: fingerprint, or None where absent})
+DriftTable = Mapping[str, tuple[str, Mapping[str, str | None]]]
 
 
 def _resolve(symbol: str) -> object:
@@ -187,16 +154,92 @@ def source_params(module_name: str, qualname: str) -> list[str] | None:
     return [n for n in names if n != "self"]
 
 
-def check(symbols: Iterable[str], minor: str) -> None:
-    """Raise ``PatchError`` unless every symbol's source matches its fingerprint
-    for vLLM ``minor`` (e.g. ``"0.32"``)."""
-    table = KNOWN.get(minor)
-    if table is None:
+def validate(table: DriftTable) -> None:
+    """Raise ``ValueError`` unless ``table`` is a well-formed drift table (a
+    mistake in the layer module, not a vLLM drift)."""
+    for symbol, entry in table.items():
+        module, sep, qualname = symbol.partition(":")
+        if not (module and sep and qualname):
+            raise ValueError(f"drift table: {symbol!r} is not 'module:qualname'")
+        if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)
+                and isinstance(entry[1], Mapping)):
+            raise ValueError(f"drift table: {symbol}: expected (roles, {{minor: fingerprint}})")
+        roles = entry[0].split()
+        if any(r not in ROLES for r in roles) or len(set(roles)) != len(roles):
+            raise ValueError(f"drift table: {symbol}: roles {entry[0]!r} (known: {ROLES})")
+        if (COPIED in roles) == (FENCED in roles):
+            raise ValueError(f"drift table: {symbol}: roles {entry[0]!r} need exactly one of "
+                             f"{COPIED!r} and {FENCED!r}")
+        for minor, want in entry[1].items():
+            if not (want is None or (isinstance(want, str) and len(want) == 16)):
+                raise ValueError(f"drift table: {symbol}: vLLM {minor}: {want!r} is neither "
+                                 "a 16-hex fingerprint nor None")
+
+
+def symbols(table: DriftTable, minor: str, role: str | None = None) -> tuple[str, ...]:
+    """The symbols of ``table`` that exist in vLLM ``minor`` (a fingerprint,
+    not ``None``), in table order; only those with ``role`` when given."""
+    return tuple(s for s, (roles, hashes) in table.items()
+                 if hashes.get(minor) is not None and (role is None or role in roles.split()))
+
+
+def read_table(path: str | Path, name: str = "VLLM_DRIFT") -> dict:
+    """The drift table ``name`` of a layer module, read from its source text
+    with ``ast.literal_eval`` (the module, which imports vLLM, is not
+    imported)."""
+    tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign):
+            targets = [node.target]
+        else:
+            continue
+        if node.value is not None and any(isinstance(t, ast.Name) and t.id == name
+                                          for t in targets):
+            return ast.literal_eval(node.value)
+    raise LookupError(f"{path}: no module-level {name} = {{...}}")
+
+
+def _exists(symbol: str, roles: str) -> bool:
+    module_name, _, qualname = symbol.partition(":")
+    if SOURCE in roles.split():
+        return _source_definition(module_name, qualname) is not None
+    try:
+        _resolve(symbol)
+    except (AttributeError, ImportError):
+        return False
+    return True
+
+
+def check(table: DriftTable, minor: str, *, decorated_on: type | None = None) -> None:
+    """Raise ``PatchError`` unless every symbol of a layer's drift ``table``
+    has its fingerprint for vLLM ``minor`` (e.g. ``"0.33"``), every symbol
+    recorded as absent there (``None``) is absent, and every ``decorated``
+    method is still decorated (looked up on ``decorated_on``, the vLLM class
+    the layer subclasses, when given; else the symbol itself)."""
+    validate(table)
+    if not any(minor in hashes for _, hashes in table.values()):
         raise hooks.fail("copied vLLM bodies", f"no fingerprints recorded for vLLM {minor}.x")
-    for symbol in symbols:
-        want = table.get(symbol)
-        if want is None:
+    for symbol, (roles, hashes) in table.items():
+        if minor not in hashes:
             raise hooks.fail(symbol, f"no fingerprint recorded for vLLM {minor}.x")
+        want = hashes[minor]
+        if want is None:
+            if _exists(symbol, roles):
+                raise hooks.fail(symbol, f"exists, but the plugin was written against a vLLM "
+                                 f"{minor}.x without it; the plugin must be re-read against it")
+            continue
+        if SOURCE in roles.split():
+            module_name, _, qualname = symbol.partition(":")
+            got = source_fingerprint(module_name, qualname)
+            if got != want:
+                raise hooks.fail(
+                    f"{module_name}.{qualname}",
+                    f"its source changed (fingerprint {got}, the plugin's copy was written "
+                    f"against {want}); the plugin's copy of this body must be re-read",
+                )
+            continue
         try:
             got = fingerprint(symbol)
         except (AttributeError, ImportError, OSError, TypeError) as e:
@@ -207,8 +250,43 @@ def check(symbols: Iterable[str], minor: str) -> None:
                 f"its source changed (fingerprint {got}, the plugin's override was written "
                 f"against {want}); the plugin's copy of this body must be re-read",
             )
+    for symbol in symbols(table, minor, DECORATED):
+        qualname = symbol.partition(":")[2]
+        name = qualname.rsplit(".", 1)[-1]
+        target = (getattr(decorated_on, name, None) if decorated_on is not None
+                  else _resolve(symbol))
+        if not hasattr(target, "__wrapped__"):
+            raise hooks.fail(
+                qualname, "is missing or no longer decorated with eager_break_during_capture")
+
+
+def main(argv: list[str] | None = None) -> int:  # pragma: no cover - a developer's tool
+    ap = argparse.ArgumentParser(
+        description="Print the installed vLLM's fingerprints: of symbols, or of every entry "
+                    "of a layer's drift table next to the recorded one.")
+    ap.add_argument("--layer", choices=("cuda", "cpu"), help="a layer's drift table")
+    ap.add_argument("symbol", nargs="*", help="module:qualname (imported)")
+    args = ap.parse_args(argv)
+    for s in args.symbol:
+        print(f'"{s}": "{fingerprint(s)}",')
+    if args.layer:
+        import vllm
+
+        minor = ".".join(str(vllm.__version__).split(".")[:2])
+        path = Path(__file__).resolve().parent.parent / "layer" / f"{args.layer}.py"
+        for s, (roles, hashes) in read_table(path).items():
+            module_name, _, qualname = s.partition(":")
+            if not _exists(s, roles):
+                got = None
+            elif SOURCE in roles.split():
+                got = source_fingerprint(module_name, qualname)
+            else:
+                got = fingerprint(s)
+            want = hashes.get(minor, "(none recorded)")
+            print(f"{'ok' if got == want else 'DIFFERS':7s} {s}  [{roles}]  "
+                  f"vLLM {minor}: {got}  recorded: {want}")
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover
-    for s in sys.argv[1:]:
-        print(f'"{s}": "{fingerprint(s)}",')
+    sys.exit(main())

@@ -328,6 +328,18 @@ def when_imported(module_name: str, hook: Callable[[ModuleType], None]) -> None:
     _call(hook, module)
 
 
+def disarm_all() -> list[str]:
+    """Drop every hook still waiting for its module's import (the plugin
+    stands aside after an unexpected error in ``register()``); returns the
+    modules whose hooks were dropped. Hooks that already ran stay applied."""
+    with _lock:
+        dropped = sorted(_hooks)
+        _hooks.clear()
+        if _finder in sys.meta_path:
+            sys.meta_path.remove(_finder)
+    return dropped
+
+
 def _initializing(module: ModuleType) -> bool:
     spec = getattr(module, "__spec__", None)
     return bool(spec is not None and getattr(spec, "_initializing", False))

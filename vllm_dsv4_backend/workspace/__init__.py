@@ -1,9 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Per-layer workspace manager for the DeepSeek-V4 eager region (torch only).
+"""Per-layer workspace manager for an attention eager region (torch only).
 
-* ``sizing``: ``WorkspaceConfig``, family layouts, bytes per policy, the
-  README memory table (``python -m vllm_dsv4_backend.workspace.sizing``).
+The mechanism: slots, leases, fences and counters. It names no model's
+buffers: a caller declares its families and layer kinds in a
+``WorkspaceConfig`` (DeepSeek-V4's: ``vllm_dsv4_backend.layer.plan``).
+
+* ``sizing``: ``WorkspaceConfig``, ``FamilySpec``, slot layouts, bytes per policy.
 * ``manager``: ``WorkspaceManager`` (reserve at load, per-layer leases with
   stable addresses, stream-fenced sharing, stats) and its errors.
 * ``streams``: the ``StreamBackend`` protocol, CUDA / no-stream / simulated.
@@ -18,7 +21,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# Lazy, so ``python -m vllm_dsv4_backend.workspace.sizing`` runs sizing once.
+# Lazy: importing one submodule does not import the others.
 _EXPORTS: dict[str, str] = {
     "AllocationCounter": "alloc_counter",
     "count_allocations": "alloc_counter",
@@ -31,17 +34,13 @@ _EXPORTS: dict[str, str] = {
     "WorkspaceManager": "manager",
     "resolve_debug": "manager",
     "resolve_policy": "manager",
-    "FAMILIES": "sizing",
     "POLICIES": "sizing",
     "BufferSpec": "sizing",
+    "FamilySpec": "sizing",
     "WorkspaceBytes": "sizing",
     "WorkspaceConfig": "sizing",
-    "layer_families": "sizing",
-    "memory_table": "sizing",
-    "padded_q_heads": "sizing",
     "plan_layout": "sizing",
     "private_fit_tokens": "sizing",
-    "pool49236_bytes": "sizing",
     "workspace_bytes": "sizing",
     "reserve_budget_bytes": "budget",
     "CudaStreamBackend": "streams",
@@ -68,10 +67,10 @@ def __dir__() -> list[str]:
 __all__ = [
     "ENV_DEBUG",
     "ENV_POLICY",
-    "FAMILIES",
     "POLICIES",
     "AllocationCounter",
     "BufferSpec",
+    "FamilySpec",
     "CudaStreamBackend",
     "Lease",
     "NullStreamBackend",
@@ -85,11 +84,7 @@ __all__ = [
     "WorkspaceManager",
     "count_allocations",
     "default_backend",
-    "layer_families",
-    "memory_table",
-    "padded_q_heads",
     "plan_layout",
-    "pool49236_bytes",
     "private_fit_tokens",
     "reserve_budget_bytes",
     "resolve_debug",

@@ -2,15 +2,15 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Live counters of a served workspace (torch only, no vLLM).
 
-The benchmark brackets its own steps with ``WorkspaceManager.begin_step`` /
-``end_step``; a serving worker has no such bracket, so the layer core marks
-one *model step* per forward of the model's first registered layer for
+A serving worker has no bracket around a step of the model, so the layer
+core marks one *model step* per forward of the model's first registered layer for
 micro-batch 0 (``WorkspaceManager.model_step``). Between two marks the
 manager's running totals (leases, allocations it made for leased families,
-fence waits) grow by one model step's worth; :class:`LiveCounters` keeps the
-totals since the first mark and the largest step, and formats the one-line
-summary the worker logs every ``VLLM_DSV4_WORKSPACE_LOG_EVERY`` model steps
-and at shutdown.
+fence waits, fallbacks: buffers a layer let its own code allocate where it
+could not lease, counted by ``WorkspaceManager.count_fallback``) grow by
+one model step's worth; :class:`LiveCounters` keeps the totals since the
+first mark and the largest step, and formats the one-line summary the worker
+logs every ``VLLM_DSV4_WORKSPACE_LOG_EVERY`` model steps and at shutdown.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 MIB = 1 << 20
 
 # The totals a model step is measured in, in the order ``tick`` takes them.
-COUNTERS: tuple[str, ...] = ("leases", "allocations", "fence_waits")
+COUNTERS: tuple[str, ...] = ("leases", "allocations", "fence_waits", "fallbacks")
 
 
 class LiveCounters:
@@ -72,5 +72,6 @@ def format_summary(label: str, live: dict[str, Any], *, policy: str, reserved_by
         f"fence waits {live['fence_waits_per_step']:.1f}/step "
         f"({live['fence_waits_total']} total), "
         f"reserved {reserved_bytes / MIB:.1f} MiB, peak leased {peak_leased_bytes / MIB:.1f} MiB, "
-        f"policy {policy}"
+        f"policy {policy}, fallbacks to the layer's own allocation "
+        f"{live['fallbacks_per_step']:.1f}/step ({live['fallbacks_total']} total)"
     )

@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Per-layer workspace manager for the DeepSeek-V4 attention eager region.
+"""Per-layer workspace manager for an attention eager region (model-agnostic:
+the caller declares its families and layer kinds in a ``WorkspaceConfig``).
 
-vLLM #49236 handed one model-wide scratch pool to all 43 layers and put three
-buffer families at offset 0, while the indexer and the compressor ran on
-auxiliary CUDA streams; nothing in the pool ordered a producer after the
+vLLM #49236 handed one model-wide scratch pool to all 43 layers of
+DeepSeek-V4 and put three buffer families at offset 0, while two of them were
+written on auxiliary CUDA streams; nothing in the pool ordered a producer after the
 previous consumer of the same bytes, so it was reverted (#52836). This
 manager keeps the preallocation and makes the reuse provable:
 
@@ -43,8 +44,8 @@ manager keeps the preallocation and makes the reuse provable:
   ``parallel_config.num_ubatches`` (2 with DBO, ``--ubatch-size`` otherwise),
   which the layers pass as ``WorkspaceConfig.num_ubatches``.
 * **No aliasing of concurrent families or micro-batches.** Families have
-  disjoint bytes (they run at once on different streams: indexer on aux0,
-  compressor on aux1), and every micro-batch has its own slots.
+  disjoint bytes (they can be live at once on different streams), and every
+  micro-batch has its own slots.
 
 Policies (``VLLM_DSV4_WORKSPACE``): ``shared`` (default; ``shared_slots``
 slots per family and micro-batch, taken by the layers in turn behind fences),
@@ -58,8 +59,8 @@ whose bytes overlap a live lease.
 
 Typical use in a layer's eager region::
 
-    ws = manager.lease(layer_name, "topk", num_tokens, stream=aux0)
-    ...  # producer kernels on aux0 write ws["local"]
+    ws = manager.lease(layer_name, family, num_tokens, stream=aux0)
+    ...  # producer kernels on aux0 write ws[view]
     ws.used_on(default_stream)
     ...  # consumer kernels on the default stream read it
     ws.release()  # after the last consumer is enqueued
@@ -79,7 +80,6 @@ import torch
 
 from vllm_dsv4_backend import envs
 
-from .alloc_counter import AllocationCounter
 from .lease import (  # noqa: F401  (re-exported: the manager's public names)
     Lease,
     WorkspaceBudgetError,
@@ -90,12 +90,10 @@ from .lease import (  # noqa: F401  (re-exported: the manager's public names)
 )
 from .live import LiveCounters, format_summary
 from .sizing import (
-    FAMILIES,
     POLICIES,
     BufferSpec,
     Layout,
     WorkspaceConfig,
-    layer_kind,
     plan_layout,
     private_fit_tokens,
 )
@@ -106,7 +104,6 @@ ENV_POLICY = "VLLM_DSV4_WORKSPACE"
 ENV_DEBUG = "VLLM_DSV4_WORKSPACE_DEBUG"
 DEFAULT_POLICY = "shared"
 GIB = 1 << 30
-_KIND_NAMES = {"swa": "SWA", "c4": "C4", "c128": "C128"}
 
 
 def resolve_policy(policy: str | None = None) -> str:
@@ -139,9 +136,10 @@ class WorkspaceManager:
 
     Args:
         config: sizing inputs (``WorkspaceConfig``).
-        layers: ``(name, compress_ratio)`` per attention layer; default
-            ``("layers.{i}", r)`` for ``config.compress_ratios``. More can be
-            added with ``add_layer`` before ``reserve()``.
+        layers: ``(name, kind)`` per attention layer (a kind of
+            ``config.kinds``); default ``("layers.{i}", k)`` for
+            ``config.layer_kinds``. More can be added with ``add_layer``
+            before ``reserve()``.
         policy: ``"shared"``, ``"private"`` or ``"off"``; ``None`` means the
             ``VLLM_DSV4_WORKSPACE`` setting (read through ``envs``; default ``shared``).
         device: where the storage lives.
@@ -181,11 +179,11 @@ class WorkspaceManager:
             raise ValueError(f"shared_slots: expected a positive int, got {shared_slots!r}")
         self.shared_slots = shared_slots
         self._fences_enabled = not _unsafe_disable_fences_for_tests
-        self._layers: dict[str, int] = {}
+        self._layers: dict[str, Any] = {}
         if layers is None:
-            layers = [(f"layers.{i}", r) for i, r in enumerate(config.compress_ratios)]
-        for name, ratio in layers:
-            self.add_layer(name, ratio)
+            layers = [(f"layers.{i}", k) for i, k in enumerate(config.layer_kinds)]
+        for name, kind in layers:
+            self.add_layer(name, kind)
 
         self._reserved = False
         self._storage: torch.Tensor | None = None
@@ -196,26 +194,18 @@ class WorkspaceManager:
         self._live: list[Lease] = []  # debug only
 
         self._leases_total = 0
-        self._leases_step = 0
-        self._leases_last_step = 0
         self._leased_bytes = 0
         self._peak_leased_bytes = 0
         self._fence_waits_total = 0
-        self._fence_waits_step = 0
-        self._fence_waits_last_step = 0
         self._allocs_total = 0
-        self._allocs_step = 0
-        self._allocs_last_step = 0
-        self._counted_last_step: int | None = None
-        self._steps = 0
-        self._in_step = False
-        self._step_counter: AllocationCounter | None = None
+        self._fallbacks_total = 0
         self._live_counters = LiveCounters()
 
     # --- setup ----------------------------------------------------------------------
 
-    def add_layer(self, name: str, compress_ratio: int) -> None:
-        """Register an attention layer (before ``reserve()``)."""
+    def add_layer(self, name: str, kind: Any) -> None:
+        """Register an attention layer of ``kind`` (a key of ``config.kinds``),
+        before ``reserve()``."""
         if getattr(self, "_reserved", False):
             raise WorkspaceLeaseError(
                 f"add_layer({name!r}): the workspace is already reserved; register every "
@@ -223,14 +213,14 @@ class WorkspaceManager:
             )
         if not isinstance(name, str) or not name:
             raise ValueError(f"name: expected a non-empty str, got {name!r}")
-        layer_kind(compress_ratio)  # validates
+        self.config.check_kind(kind)
         if name in self._layers:
             raise ValueError(f"name: layer {name!r} is already registered")
-        self._layers[name] = compress_ratio
+        self._layers[name] = kind
 
     @property
-    def layers(self) -> dict[str, int]:
-        """Registered layers: name -> compress ratio."""
+    def layers(self) -> dict[str, Any]:
+        """Registered layers: name -> kind."""
         return dict(self._layers)
 
     @property
@@ -309,13 +299,13 @@ class WorkspaceManager:
             return
         cfg = self.config
         ratios = list(self._layers.values())
-        per_kind: dict[str, tuple[int, int]] = {}  # kind -> (bytes per layer, layers)
+        per_kind: dict[str, tuple[int, int]] = {}  # label -> (bytes per layer, layers)
         for r in ratios:
-            kind = layer_kind(r)
+            label = cfg.kind_label(r)
             nbytes = sum(cfg.slot_bytes(f) for f in cfg.layer_families(r)) * cfg.num_ubatches
-            per_kind[kind] = (nbytes, per_kind.get(kind, (0, 0))[1] + 1)
+            per_kind[label] = (nbytes, per_kind.get(label, (0, 0))[1] + 1)
         per_layer = ", ".join(
-            f"{_KIND_NAMES[k]} {b} bytes ({b / GIB:.2f} GiB) x {n}"
+            f"{k} {b} bytes ({b / GIB:.2f} GiB) x {n}"
             for k, (b, n) in sorted(per_kind.items(), key=lambda kv: -kv[1][0])
         )
         shared = plan_layout(cfg, ratios, "shared", 1).total_bytes
@@ -390,7 +380,6 @@ class WorkspaceManager:
                         (num_tokens, *spec.per_token_shape), dtype=spec.dtype, device=self.device
                     )
             self._allocs_total += len(specs)
-            self._allocs_step += len(specs)
             nbytes = sum(spec.nbytes(num_tokens) for spec in specs)
             lease = Lease(self, None, layer_name, family, num_tokens, ubatch, stream, key,
                           views, nbytes)
@@ -417,7 +406,6 @@ class WorkspaceManager:
                 self._live.append(lease)
 
         self._leases_total += 1
-        self._leases_step += 1
         self._leased_bytes += nbytes
         if self._leased_bytes > self._peak_leased_bytes:
             self._peak_leased_bytes = self._leased_bytes
@@ -449,7 +437,6 @@ class WorkspaceManager:
             backend.record(ev, s)
             backend.wait(stream, ev)
             self._fence_waits_total += 1
-            self._fence_waits_step += 1
         slot.last_streams = ()
 
     def _make_views(
@@ -513,20 +500,6 @@ class WorkspaceManager:
             slot.holder = None
         self._leased_bytes -= lease.nbytes
 
-    def mark_synchronized(self) -> None:
-        """Forget fence state after the caller synchronized the device.
-
-        Call after ``torch.cuda.synchronize()`` (e.g. before CUDA-graph
-        capture, where an event recorded outside the capture must not be
-        waited on); all earlier users of every slot are then complete.
-        """
-        for slot in self._slots:
-            if slot.holder is not None:
-                raise WorkspaceLeaseError(
-                    f"mark_synchronized() with a live lease: {slot.holder!r}"
-                )
-            slot.last_streams = ()
-
     # --- errors ---------------------------------------------------------------------
 
     def _raise_lookup_error(
@@ -534,12 +507,14 @@ class WorkspaceManager:
     ) -> None:
         if layer_name not in self._layers:
             raise ValueError(f"layer_name: {layer_name!r} is not a registered layer")
-        if family not in FAMILIES:
-            raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
-        fams = self.config.layer_families(self._layers[layer_name])
+        names = self.config.family_names
+        if family not in names:
+            raise ValueError(f"family: expected one of {names}, got {family!r}")
+        kind = self._layers[layer_name]
+        fams = self.config.layer_families(kind)
         if family not in fams:
             raise ValueError(
-                f"family: layer {layer_name!r} (compress_ratio {self._layers[layer_name]}) has "
+                f"family: layer {layer_name!r} ({self.config.kind_label(kind)}) has "
                 f"no {family!r} workspace; its families are {fams}"
             )
         n = self.config.num_ubatches
@@ -592,67 +567,39 @@ class WorkspaceManager:
 
     # --- observability --------------------------------------------------------------
 
-    def begin_step(self, *, count_allocations: bool = False) -> None:
-        """Start a step's counters; ``count_allocations`` also counts every
-        tensor allocation until ``end_step`` (``AllocationCounter``)."""
-        if self._in_step:
-            raise WorkspaceLeaseError("begin_step() inside a step; call end_step() first")
-        self._in_step = True
-        self._leases_step = 0
-        self._fence_waits_step = 0
-        self._allocs_step = 0
-        if count_allocations:
-            dev = self.device if self.device.type == "cuda" else None
-            self._step_counter = AllocationCounter(dev)
-            self._step_counter.__enter__()
-
-    def end_step(self) -> None:
-        """Close the step: its counters become the ``*_last_step`` stats."""
-        if not self._in_step:
-            raise WorkspaceLeaseError("end_step() without begin_step()")
-        self._in_step = False
-        counter, self._step_counter = self._step_counter, None
-        if counter is not None:
-            counter.__exit__(None, None, None)
-            self._counted_last_step = counter.count
-        else:
-            self._counted_last_step = None
-        self._leases_last_step = self._leases_step
-        self._fence_waits_last_step = self._fence_waits_step
-        self._allocs_last_step = self._allocs_step
-        self._steps += 1
-
-    @contextlib.contextmanager
-    def step(self, *, count_allocations: bool = False) -> Iterator[WorkspaceManager]:
-        """``begin_step``/``end_step`` as a context manager."""
-        self.begin_step(count_allocations=count_allocations)
-        try:
-            yield self
-        finally:
-            self.end_step()
-
-    # --- live counters while serving (no begin_step / end_step there) ----------------
+    # --- live counters of the served model steps ---------------------------------------
 
     @property
     def first_layer(self) -> str | None:
         """The first registered layer's name (``None`` before any)."""
         return next(iter(self._layers), None)
 
-    def _live_totals(self) -> tuple[int, int, int]:
-        return self._leases_total, self._allocs_total, self._fence_waits_total
+    def _live_totals(self) -> tuple[int, int, int, int]:
+        return (self._leases_total, self._allocs_total, self._fence_waits_total,
+                self._fallbacks_total)
+
+    def count_fallback(self, layer_name: str, family: str) -> None:
+        """A layer let its own code allocate a buffer of ``family`` because the
+        workspace could not serve it (e.g. a shape the reservation does not
+        cover); counted in :meth:`live_stats` as ``fallbacks``, so the served
+        log line shows every buffer that bypassed the workspace."""
+        if layer_name not in self._layers:
+            raise ValueError(f"layer_name: {layer_name!r} is not a registered layer")
+        self._fallbacks_total += 1
 
     def model_step(self) -> int:
         """A served model step begins (the layer core calls this at each
-        forward of :attr:`first_layer` for micro-batch 0); distinct from the
-        benchmark's ``begin_step``, whose counters it leaves alone. Returns the
-        number of model steps so far (see :meth:`live_stats`)."""
+        forward of :attr:`first_layer` for micro-batch 0). Returns the number
+        of model steps so far (see :meth:`live_stats`)."""
         return self._live_counters.tick(*self._live_totals())
 
     def live_stats(self) -> dict[str, Any]:
         """Served model steps (``steps``), and leases, allocations the manager
-        made for leased families (0 unless ``off``) and fence waits since the
-        first: ``<name>_total``, ``<name>_per_step``, ``<name>_max_per_step``
-        (``leases`` / ``allocations`` / ``fence_waits``); with
+        made for leased families (0 unless ``off``), fence waits and the
+        layers' fallbacks to their own allocation (:meth:`count_fallback`)
+        since the first: ``<name>_total``, ``<name>_per_step``,
+        ``<name>_max_per_step`` (``leases`` / ``allocations`` /
+        ``fence_waits`` / ``fallbacks``); with
         ``reserved_bytes_total`` and ``peak_leased_bytes``."""
         out = self._live_counters.snapshot(*self._live_totals())
         out["reserved_bytes_total"] = 0 if self._layout is None else self._layout.total_bytes
@@ -667,7 +614,7 @@ class WorkspaceManager:
                               peak_leased_bytes=live["peak_leased_bytes"])
 
     def reserved_bytes_per_family(self) -> dict[str, int]:
-        per = dict.fromkeys(FAMILIES, 0)
+        per = dict.fromkeys(self.config.family_names, 0)
         for s in self._slots:
             per[s.family] += s.nbytes
         return per
@@ -690,14 +637,10 @@ class WorkspaceManager:
         ``reserved`` (bool), ``reserved_bytes_total``,
         ``reserved_bytes_per_family`` {family: bytes},
         ``reserved_bytes_per_layer`` {layer: bytes it can lease},
-        ``num_slots``, ``leases_total``, ``leases_this_step``,
-        ``leases_last_step``, ``leased_bytes_now``, ``peak_leased_bytes``,
-        ``fence_waits_total``, ``fence_waits_last_step``,
-        ``allocations_total`` / ``allocations_this_step`` /
-        ``allocations_last_step`` (tensors the manager allocated after
-        ``reserve()``: 0 unless ``off``), ``counted_allocations_last_step``
-        (every allocation in the last step if it was begun with
-        ``count_allocations=True``, else ``None``), ``steps``.
+        ``num_slots``, ``leases_total``, ``leased_bytes_now``,
+        ``peak_leased_bytes``, ``fence_waits_total``, ``allocations_total``
+        (tensors the manager allocated after ``reserve()``: 0 unless ``off``).
+        Per served model step: :meth:`live_stats`.
         """
         return {
             "policy": self.policy,
@@ -714,17 +657,10 @@ class WorkspaceManager:
             "reserved_bytes_per_layer": self.reserved_bytes_per_layer(),
             "num_slots": len(self._slots),
             "leases_total": self._leases_total,
-            "leases_this_step": self._leases_step,
-            "leases_last_step": self._leases_last_step,
             "leased_bytes_now": self._leased_bytes,
             "peak_leased_bytes": self._peak_leased_bytes,
             "fence_waits_total": self._fence_waits_total,
-            "fence_waits_last_step": self._fence_waits_last_step,
             "allocations_total": self._allocs_total,
-            "allocations_this_step": self._allocs_step,
-            "allocations_last_step": self._allocs_last_step,
-            "counted_allocations_last_step": self._counted_last_step,
-            "steps": self._steps,
         }
 
     def __repr__(self) -> str:
