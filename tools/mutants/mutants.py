@@ -145,8 +145,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "the attention output's bytes): #49236's families, disjoint use windows in "
         "program order",
         MANAGER,
-        "            off = s.offset\n",
-        "            off = 0 if s.family == \"indexer_q\" else s.offset\n",
+        "            bufs = tuple((spec, s.offset + off)\n",
+        "            bufs = tuple((spec, (0 if s.family == \"indexer_q\" else s.offset) + off)\n",
         "harness:sim-eager-debug",
     ),
     Mutant(
@@ -169,8 +169,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "double-release",
-        "a double release: Step.release leaves the lease in the step, close() releases "
-        "it again",
+        "a double release: Region.release leaves the lease in the region, close() "
+        "releases it again",
         EAGER,
         "        lease = self._leases.pop(family, None)\n",
         "        lease = self._leases.get(family)\n",

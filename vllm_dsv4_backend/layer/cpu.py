@@ -683,8 +683,11 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         region = self._region
         num_tokens, num_heads, head_dim = o.shape
         groups, rank = self.n_local_groups, self.o_lora_rank
-        if (region is None or get_forward_context().attn_metadata is None
-                or o.dtype != torch.bfloat16 or groups * rank > num_heads * head_dim):
+        if region is None or get_forward_context().attn_metadata is None:
+            return super()._o_proj(o, positions)  # dummy / profile run: nothing leased
+        if o.dtype != torch.bfloat16 or groups * rank > num_heads * head_dim:
+            # Hand-over buffers the q.out lease cannot hold: vLLM allocates them.
+            self._workspace.count_fallback(self.prefix, "q")
             return super()._o_proj(o, positions)
         o_derot = vllm_ops.inverse_gptj_rope_o_proj_cpu(
             o, positions, self.rotary_emb.cos_sin_cache, _ROPE_DIM

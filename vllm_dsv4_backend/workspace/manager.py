@@ -268,15 +268,9 @@ class WorkspaceManager:
             self._backend.launch(poison_stream, lambda: storage.fill_(0xFF))
         by_key: dict[tuple[int, str, int], _Slot] = {}
         for s in layout.slots:
-            bufs: list[tuple[BufferSpec, int]] = []
-            off = s.offset
-            for spec in self.config.family_buffers(s.family):
-                bufs.append((spec, off))
-                n = spec.nbytes(self.config.max_num_batched_tokens)
-                off += (n + 255) // 256 * 256
-            if off - s.offset > s.nbytes:
-                raise AssertionError(f"slot {s} too small for its views")
-            slot = _Slot(s.ubatch, s.family, s.index, s.offset, s.nbytes, tuple(bufs))
+            bufs = tuple((spec, s.offset + off)
+                         for spec, off in self.config.view_offsets(s.family))
+            slot = _Slot(s.ubatch, s.family, s.index, s.offset, s.nbytes, bufs)
             if poison_stream is not None:
                 slot.last_streams = (poison_stream,)
             self._slots.append(slot)

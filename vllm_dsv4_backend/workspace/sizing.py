@@ -161,10 +161,19 @@ class WorkspaceConfig:
                 return f.views
         raise ValueError(f"family: expected one of {self.family_names}, got {family!r}")
 
+    def view_offsets(self, family: str) -> tuple[tuple[BufferSpec, int], ...]:
+        """Each view of ``family`` with its byte offset in the slot: the sizing
+        rule (``T`` rows per view, each view :data:`ALIGNMENT`-aligned), once."""
+        t, off, out = self.max_num_batched_tokens, 0, []
+        for spec in self.family_buffers(family):
+            out.append((spec, off))
+            off += align(spec.nbytes(t))
+        return tuple(out)
+
     def slot_bytes(self, family: str) -> int:
         """Bytes of one slot of ``family`` (all views, ``T`` rows, aligned)."""
-        t = self.max_num_batched_tokens
-        return sum(align(s.nbytes(t)) for s in self.family_buffers(family))
+        spec, off = self.view_offsets(family)[-1]
+        return off + align(spec.nbytes(self.max_num_batched_tokens))
 
 
 @dataclasses.dataclass(frozen=True)
