@@ -6,7 +6,9 @@
 # Without arguments it then runs tests/core again with `import vllm` blocked
 # (vllm_dsv4_backend/testing/no_vllm.py), the proof that core is torch-only,
 # tests/cuda in the vLLM 0.33 and 0.34 venvs, and the lifetime mutation suite;
-# the script fails if any run fails (the first run's exit code wins).
+# the script fails if any run fails (the first run's exit code wins). The main run
+# prints its 25 slowest tests (--durations): a measurement for the CI time budget, never
+# a check.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -15,7 +17,7 @@ if [ $# -gt 0 ]; then
   exec .venv/bin/python -m pytest -ra "$@"
 fi
 rc=0
-.venv/bin/python -m pytest -ra tests || rc=$?
+.venv/bin/python -m pytest -ra --durations=25 tests || rc=$?
 core_rc=0
 echo "== tests/core again with import vllm blocked (DSV4_CORE_NO_VLLM=1)"
 DSV4_CORE_NO_VLLM=1 .venv/bin/python -m pytest -ra -p vllm_dsv4_backend.testing.no_vllm tests/core \
