@@ -27,10 +27,10 @@ to a wider (batch-wide) width, or a smaller scratch budget, keeps its bits.
 
 from __future__ import annotations
 
-import bi_world as W
 import pytest
 import torch
 
+from tests.support import bi_world as W
 from vllm_dsv4_backend import ops
 from vllm_dsv4_backend.formats import fp8_ds_mla
 from vllm_dsv4_backend.formats import indexer_cache as ic

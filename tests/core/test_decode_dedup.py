@@ -10,8 +10,8 @@ must never leak, sinks at +-inf and finite.
 
 import pytest
 import torch
-from oracle import assert_flashmla_close, sparse_decode_ref
 
+from tests.support.oracle import assert_flashmla_close, sparse_decode_ref
 from vllm_dsv4_backend import ops
 from vllm_dsv4_backend.formats import fp8_ds_mla
 from vllm_dsv4_backend.ops import torch_sparse_mla

@@ -12,7 +12,8 @@ import math
 
 import pytest
 import torch
-from oracle import (
+
+from tests.support.oracle import (
     dequant_slots_f64,
     e4m3_table,
     quantize_ref,
@@ -20,7 +21,6 @@ from oracle import (
     storage_bytes,
     token_offsets,
 )
-
 from vllm_dsv4_backend.formats import fp8_ds_mla as F
 
 BLOCK_CASES = [(2, True), (61, False), (61, True), (64, True), (64, False)]
@@ -120,7 +120,7 @@ def test_known_values() -> None:
 
 def round_ref_byte(v: float) -> int:
     """e4m3 byte nearest to ``v`` (ties to even), via the oracle grid."""
-    from oracle import round_to_e4m3
+    from tests.support.oracle import round_to_e4m3
 
     return int(round_to_e4m3(torch.tensor([float(torch.tensor(v).to(torch.bfloat16))],
                                           dtype=torch.float64))[0])

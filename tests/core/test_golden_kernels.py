@@ -16,7 +16,6 @@ encoded with synthetic ties in ``test_topk_tie_rule_*``.
 from __future__ import annotations
 
 import heapq
-import importlib.util
 import math
 import subprocess
 import sys
@@ -27,22 +26,14 @@ from typing import Any
 import pytest
 import torch
 
+from tests.data.golden import golden_io as gio
+from tests.support import worker_env
 from vllm_dsv4_backend.ops import indexer as ix
 from vllm_dsv4_backend.vllm_compat import cpu_ops
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "data" / "golden"
 
-
-def _load_golden_io() -> Any:
-    spec = importlib.util.spec_from_file_location("dsv4_golden_io", GOLDEN / "golden_io.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-gio = _load_golden_io()
 OPS = {op.name: op for op in cpu_ops.OPS}
 FILES = list(gio.files())
 
@@ -378,11 +369,9 @@ def test_isa_bound_can_fail(op):
 def test_torch_only():
     """The fallbacks need torch only: replaying one call of every op in a fresh
     interpreter imports no vLLM (tests/core runs where vLLM is unimportable)."""
-    code = f"""
-import sys, importlib.util, torch
-sys.path.insert(0, {str(ROOT)!r})
-spec = importlib.util.spec_from_file_location("gio", {str(GOLDEN / "golden_io.py")!r})
-gio = importlib.util.module_from_spec(spec); spec.loader.exec_module(gio)
+    code = """
+import sys, torch
+from tests.data.golden import golden_io as gio
 from vllm_dsv4_backend.vllm_compat import cpu_ops
 seen = set()
 for e, p in gio.files():
@@ -395,7 +384,8 @@ bad = sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm."))
 assert not bad, bad
 print(len(seen))
 """
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=worker_env())
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip() == str(len(OPS))
 

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from oracle import (
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.support.oracle import (
     DECODE_LSE_TOL,
     DECODE_OUT_TOL,
     PREFILL_LSE_TOL,
@@ -21,8 +23,6 @@ from oracle import (
     sparse_decode_ref,
     sparse_prefill_ref,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from vllm_dsv4_backend import ops
 from vllm_dsv4_backend.formats import fp8_ds_mla as F
 from vllm_dsv4_backend.ops import torch_sparse_mla, vllm_cpu
@@ -517,7 +517,7 @@ def _emulated_cpp_kernel(out, q, w_cache_2d, w_slots, w_bs, c_cache_2d, c_slots,
     """float64 emulation of ``flash_mla_with_kvcache_cpu`` written from its C++ source:
     per-token int64 slot rows, entries ``< 0`` or ``>= num_blocks*B`` skipped, sink applied as
     ``out *= 1/(1 + e^(sink - lse))``; also asserts the argument contract the kernel checks."""
-    from oracle import dequant_slots_f64
+    from tests.support.oracle import dequant_slots_f64
 
     t, h, d = q.shape
     assert d == 512 and q.dtype == torch.bfloat16 and q.stride(-1) == 1

@@ -30,5 +30,5 @@ def _vllm_version() -> str | None:
 
 if (_vllm_version() or "").startswith(("0.33.", "0.34.")):
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-# Each test module starts with _cuda_guard.require_vllm_cuda() (a module-level
+# Each test module starts with support.cuda_guard.require_vllm_cuda() (a module-level
 # skip), because the modules import vLLM 0.33 / 0.34 names at import time.

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 import torch
-from _cuda_guard import require_vllm_cuda
+
+from tests.support.cuda_guard import require_vllm_cuda
 
 require_vllm_cuda()
 
@@ -118,21 +119,12 @@ def test_every_kernel_double_implements_the_layer_protocol() -> None:
     """vLLM's kernel objects, the graph harness's stand-ins and the stream tests'
     double are one interface (``layer.cuda_kernels.CudaKernels``): a method the
     layer starts calling must exist on all three."""
-    import importlib.util
-    from pathlib import Path
-
+    from tests.support.layer_streams import TorchKernels
+    from tools.cuda_graph import standins
     from vllm_dsv4_backend.layer.cuda_kernels import CudaKernels
 
-    repo = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location(
-        "dsv4_harness_standins", repo / "tools" / "cuda_graph" / "standins.py")
-    assert spec is not None and spec.loader is not None
-    standins = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(standins)
-    import test_layer_streams
-
     names = {n for n in dir(CudaKernels) if not n.startswith("_")}
-    for cls in (VllmCudaKernels, standins.HarnessKernels, test_layer_streams.TorchKernels):
+    for cls in (VllmCudaKernels, standins.HarnessKernels, TorchKernels):
         assert names <= {n for n in dir(cls) if not n.startswith("_")}, cls
     assert isinstance(VllmCudaKernels(), CudaKernels)
     assert isinstance(standins.HarnessKernels(), CudaKernels)

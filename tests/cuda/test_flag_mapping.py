@@ -22,7 +22,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from _cuda_guard import require_vllm_cuda
+
+from tests.support.cuda_guard import require_vllm_cuda
 
 require_vllm_cuda()
 

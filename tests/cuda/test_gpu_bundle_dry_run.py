@@ -33,7 +33,8 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from _cuda_guard import require_vllm_cuda, vllm_minor
+
+from tests.support.cuda_guard import require_vllm_cuda, vllm_minor
 
 require_vllm_cuda()
 if vllm_minor() != "0.34":
@@ -41,9 +42,8 @@ if vllm_minor() != "0.34":
                 allow_module_level=True)
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # tools/ is not installed: it runs from the checkout
-    sys.path.insert(0, str(REPO))
 
+# tools/ is not installed: it imports from the checkout (pytest's pythonpath, the repo root).
 from tools.gpu_flashmla import bundle as bundle_mod  # noqa: E402
 from tools.gpu_flashmla import cases as C  # noqa: E402
 

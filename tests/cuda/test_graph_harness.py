@@ -40,11 +40,8 @@ pytestmark = pytest.mark.skipif(_vllm_minor() is None,
 
 
 def _run_harness(tmp_path: Path) -> tuple[str, dict]:
-    sys.path.insert(0, str(REPO / "tools" / "cuda_graph"))
-    try:
-        import build_stub
-    finally:
-        sys.path.pop(0)
+    from tools.cuda_graph import build_stub
+
     spec = importlib.util.find_spec("vllm")
     assert spec is not None and spec.origin is not None
     stub = tmp_path / "stub"

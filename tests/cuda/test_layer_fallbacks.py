@@ -12,24 +12,27 @@ counters (``fallbacks_total``, on the served log line). Dummy and profile
 runs lease nothing by design and are not counted.
 
 The layers, the workspace and the test doubles of vLLM's CUDA kernels are
-``test_layer_streams.py``'s (CPU tensors over simulated streams).
+``test_layer_streams.py``'s (CPU tensors over simulated streams), from
+tests.support.layer_streams.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from _cuda_guard import require_vllm_cuda
+
+from tests.support.cuda_guard import require_vllm_cuda
 
 require_vllm_cuda()
 
 import vllm.v1.worker.ubatching as ubatching  # noqa: E402
-from test_layer_streams import MNBT, Model, T  # noqa: E402
+
+from tests.support.layer_streams import MNBT, Model, T  # noqa: E402
 
 
 @pytest.fixture
 def model(monkeypatch: pytest.MonkeyPatch) -> Model:
-    """A model of test_layer_streams (C1, C4 and C128 layers, both micro-batches),
+    """A model of the stream tests (C1, C4 and C128 layers, both micro-batches),
     its workspace's ``count_fallback`` recorded (the real method runs too)."""
     monkeypatch.delenv("VLLM_DSV4_TEST_UNSAFE_NO_FENCES", raising=False)
     monkeypatch.setenv("VLLM_DSV4_WORKSPACE", "shared")

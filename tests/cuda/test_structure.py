@@ -13,7 +13,8 @@ import sys
 import types
 
 import pytest
-from _cuda_guard import require_vllm_cuda, vllm_minor
+
+from tests.support.cuda_guard import require_vllm_cuda, vllm_minor
 
 require_vllm_cuda()
 MINOR = vllm_minor()

@@ -15,18 +15,13 @@ load on this torch the tests skip with the loader's error (``check.py`` fails on
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # tools/ runs from the checkout
-    sys.path.insert(0, str(REPO))
-
-from tools.gpu_flashmla import cases  # noqa: E402  (torch + the plugin only)
+# tools/ runs from the checkout (pytest's pythonpath: the repo root); torch + the plugin only.
+from tools.gpu_flashmla import cases
 
 pytestmark = [
     pytest.mark.gpu,

@@ -43,7 +43,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from safety_common import ITEMS, ROOT, engine_spec, full_mode
+
+from tests.support import worker_env
+from tests.support.safety import ITEMS, ROOT, engine_spec, full_mode
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -159,8 +161,8 @@ def engine_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
         return
     d = tmp_path_factory.mktemp("safety-engines")
     worker = Path(__file__).with_name("engine_worker.py")
-    env = {**os.environ, "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "1500",
-           "PYTHONUNBUFFERED": "1"}
+    env = worker_env({**os.environ, "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "1500",
+                      "PYTHONUNBUFFERED": "1"})
     env.pop("VLLM_DSV4_WORKSPACE", None)
     env.pop("VLLM_DSV4_WORKSPACE_DEBUG", None)
     procs = {}

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from safety_common import EXTRA_PARITY_VARIANTS, PARITY_LENGTHS, PARITY_TOKENS, TOP_LOGPROBS
+from tests.support.safety import EXTRA_PARITY_VARIANTS, PARITY_LENGTHS, PARITY_TOKENS, TOP_LOGPROBS
 
 BASELINE = "off"
 

@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from safety_common import STRESS_CONCURRENCY
 
+from tests.support.safety import STRESS_CONCURRENCY
 from vllm_dsv4_backend.bench import solo_identity as SI
 
 TIE_MARGIN = 1.0

@@ -10,14 +10,15 @@ GPU may pick). A 43-layer DeepSeek-V4-Flash-shaped program
 (``testing.schedule.enqueue_dsv4_step``: two micro-batches, default/aux0/aux1 streams per
 micro-batch, the ``wide``/``narrow``/``random`` stream roles) goes through the real
 ``WorkspaceManager``: producers stamp every leased byte, consumers check the stamps at
-their start and end. The program and the schedule runner are tests/core/
-test_stream_schedule.py's (``build_program``, ``run_schedules``), loaded from there.
+their start and end. The program, the schedule runner and #49236's layout are
+tests.support.stream_schedule's (``build_program``, ``run_schedules``,
+``Pool49236Layout``), which tests/core/test_stream_schedule.py runs too.
 
 For each stream-role variant, under the same schedules (same seeds):
 
 * the plugin's layout, fences on: no corrupt schedule;
 * the plugin's layout, fences off (test-only switch): corrupt (the check can see #52836);
-* vLLM #49236's layout, fences on: corrupt. Its layout, reproduced here as the negative
+* vLLM #49236's layout, fences on: corrupt. Its layout, reproduced as the negative
   control: ONE buffer; the FP4-indexer, top-k and compressor families carved at the
   same offset (offset 0 of the aux region, after padded q); ONE template for every
   layer keyed only by the token count (every layer leases the same bytes, and the two
@@ -29,32 +30,12 @@ On CUDA the same program runs on real streams in tests/gpu/test_workspace_cuda.p
 from __future__ import annotations
 
 import pytest
-from safety_common import load_core_module
 
+from tests.support import stream_schedule as S
+from tests.support.stream_schedule import AUX_FAMILIES, Pool49236Layout
 from vllm_dsv4_backend.workspace import WorkspaceLeaseError, WorkspaceManager
-from vllm_dsv4_backend.workspace.sizing import Layout, Slot
 
 VARIANTS = ("wide", "narrow", "random")
-AUX_FAMILIES = ("indexer_q", "topk", "compressor")
-
-S = load_core_module("test_stream_schedule.py", "_dsv4_core_test_stream_schedule")
-
-
-class Pool49236(WorkspaceManager):
-    """vLLM #49236's ``DeepseekV4EagerScratchPool`` layout on the manager: one buffer
-    of padded q + max(aux families); every aux family at the same offset; every layer
-    and both micro-batches on the same bytes (one template, keyed by token count)."""
-
-    def _plan_layout(self) -> Layout:
-        base = super()._plan_layout()
-        q = self.config.slot_bytes("q")
-        aux = max(self.config.slot_bytes(f) for f in AUX_FAMILIES)
-        slots = tuple(
-            Slot(s.ubatch, s.family, s.index, 0 if s.family == "q" else q,
-                 q if s.family == "q" else aux)
-            for s in base.slots
-        )
-        return Layout(base.policy, slots, base.slot_of, q + aux)
 
 
 def _check_pool_is_49236(mgr: WorkspaceManager) -> None:
@@ -81,7 +62,7 @@ def _counts(n: int, seeds: int) -> dict[str, dict[str, list[int]]]:
         row = {"plugin_fenced": [0, 0], "plugin_unfenced": [0, 0], "pool49236": [0, 0]}
         for seed in range(seeds):
             for key, kw in (("plugin_fenced", {}), ("plugin_unfenced", {"fences": False}),
-                            ("pool49236", {"manager_cls": Pool49236})):
+                            ("pool49236", {"manager_cls": Pool49236Layout})):
                 mgr, be, k = S.build_program(variant=v, seed=seed, **kw)
                 if key == "pool49236":
                     _check_pool_is_49236(mgr)
@@ -115,4 +96,4 @@ def test_fenced_clean_unfenced_and_49236_corrupt(safety_full, figures):
 def test_49236_layout_is_refused_by_debug_mode():
     # VLLM_DSV4_WORKSPACE_DEBUG's overlap check names the aliasing at the first lease.
     with pytest.raises(WorkspaceLeaseError, match="overlapping leases"):
-        S.build_program(variant="wide", debug=True, manager_cls=Pool49236)
+        S.build_program(variant="wide", debug=True, manager_cls=Pool49236Layout)

@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """A small DeepSeek-V4 C4-layer world for the batch-invariance tests (torch only).
 
-Not a test module. ``tests/core/test_batch_invariance.py`` runs it on the
-plugin's torch ops, ``tests/vllm/test_batch_invariance_kernels.py`` on vLLM's
-real C++ kernels (loaded by path, so this file must stay torch-only).
+``tests/core/test_batch_invariance.py`` runs it on the plugin's torch ops,
+``tests/vllm/test_batch_invariance_kernels.py`` on vLLM's real C++ kernels (tests/core
+imports it too, so this module stays torch-only).
 
 A :class:`World` holds a few requests, each with a *prefix* already in the
 caches and *work* positions still to run, plus every cache one C4 layer

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Module-level skip for tests/cuda outside a vLLM 0.33 or 0.34 environment."""
+"""Module-level skip for tests/cuda outside a vLLM 0.33 or 0.34 environment (each test
+module calls :func:`require_vllm_cuda` before importing vLLM 0.33 / 0.34 names)."""
 
 from __future__ import annotations
 

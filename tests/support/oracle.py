@@ -4,8 +4,7 @@
 tolerance rule. Written from the published semantics (flashmla-and-formats.md §2.2, §5.1,
 §5.4), sharing no code with ``vllm_dsv4_backend``: bytes are decoded from their bit fields,
 values are rounded to e4m3 by searching the 256-value grid, and attention is plain float64
-math on explicitly masked tensors. Usable by any test (``from tests.core.oracle import ...``
-or ``from oracle import ...`` with ``tests/core`` on ``sys.path``).
+math on explicitly masked tensors. Usable by any test (``from tests.support.oracle import ...``).
 """
 
 from __future__ import annotations

@@ -1,28 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""What the safety tests share (not a test module): the items, the engine settings,
-the prompts and the variants of the shared engine run (see conftest.py)."""
+"""What the safety tests share: the items, the engine settings, the prompts and the
+variants of the shared engine run (see tests/safety/conftest.py)."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-# tests/vllm's helpers (the tiny engine, loading a tests/core file as a module for
-# test_3_events); tests/ directories are not packages.
-_VLLM_TESTS = str(Path(__file__).resolve().parents[1] / "vllm")
-if _VLLM_TESTS not in sys.path:
-    sys.path.insert(0, _VLLM_TESTS)
+from tests.support import ROOT
+from tests.support.vllm_helpers import TINY_ENGINE
 
-from _helpers import TINY_ENGINE, load_core_module  # noqa: E402, F401  (re-exported)
-
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "configs" / "tiny-dsv4"
 
 ITEMS: dict[str, tuple[int, str]] = {

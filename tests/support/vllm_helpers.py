@@ -1,15 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Small helpers shared by the tests against a real vLLM (not a test module).
+"""Small helpers shared by the tests against a real vLLM (tests/vllm, tests/safety).
 
-Imported as ``_helpers`` with ``tests/vllm`` on ``sys.path`` (pytest puts it there for
-the modules of this directory; tests/safety adds it itself). Importing it loads neither
-vLLM nor torch: the helpers that need them import them when called.
+Importing it loads neither vLLM nor torch: the helpers that need them import them when
+called.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -18,14 +16,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+from tests.support import ROOT, worker_env
 from vllm_dsv4_backend import runner as R
-
-ROOT = Path(__file__).resolve().parents[2]
 
 # The tiny model's in-process engine (``vllm.LLM`` kwargs) in the tests that start one:
 # configs/serve/tiny-dsv4-cpu.yaml's settings (dummy seeded weights, the shipped
@@ -68,18 +64,6 @@ def local_serve_config(path: Path) -> R.ServeConfig:
         pytest.fail(f"serve config {path}: model {serve.model!r} is not a local directory "
                     "(these tests run offline)")
     return serve
-
-
-def load_core_module(filename: str, name: str) -> ModuleType:
-    """A ``tests/core`` file as a module (tests/core is not a package), for the vLLM
-    tests that reuse its case builders and oracles against vLLM's kernels."""
-    path = Path(__file__).resolve().parents[1] / "core" / filename
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 # The DeepSeek-V4 ``torch.ops._C`` kernels the plugin's CPU layer calls (with vLLM's
@@ -133,10 +117,11 @@ def run_script_report(script: str | Path, args: Sequence[str], out: Path, timeou
                       env: Mapping[str, str] | None = None) -> dict:
     """Run ``python script *args out`` from the repo root (a test file that is its own
     worker script) and return the JSON report it wrote to ``out``; asserts the report
-    exists, with the tail of the worker's output. ``env`` defaults to this process's."""
+    exists, with the tail of the worker's output. ``env`` defaults to this process's; the
+    script gets :func:`tests.support.worker_env`'s ``PYTHONPATH`` (``tests`` importable)."""
     proc = subprocess.run([sys.executable, str(script), *args, str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout,
-                          env=None if env is None else dict(env))
+                          env=worker_env(env))
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 

@@ -10,7 +10,7 @@ plugin's format writers: a batch vs each row alone, bit for bit. Upstream report
 FlashMLA's sparse decode batch-shape dependent by 1-2 bf16 ulp on CUDA
 (vllm-project/vllm#53257); each test prints what it measured and asserts the measured
 bound (0 ulp everywhere on vLLM 0.32's AVX512-BF16 build). Then the same eager step as
-tests/core (``tests/core/bi_world.py``) run entirely on the C++ kernels over decode-only,
+tests/core (``tests/support/bi_world.py``) run entirely on the C++ kernels over decode-only,
 prefill-only, mixed and chunked-prefill schedules.
 
 Skips (with the reason) where the loaded ``_C`` library lacks the kernels (AVX2-only
@@ -28,12 +28,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from _helpers import (  # noqa: E402  (tests/vllm is on sys.path)
-    CPU_LAYER_KERNELS,
-    load_core_module,
-    real_cpp_ops,
-)
-
+from tests.support import bi_world as W  # noqa: E402
+from tests.support.vllm_helpers import CPU_LAYER_KERNELS, real_cpp_ops  # noqa: E402
 from vllm_dsv4_backend.formats import fp8_ds_mla  # noqa: E402
 from vllm_dsv4_backend.formats import indexer_cache as ic  # noqa: E402
 from vllm_dsv4_backend.ops import compressor as comp_ops  # noqa: E402
@@ -41,8 +37,6 @@ from vllm_dsv4_backend.ops import indexer as indexer_ops  # noqa: E402
 from vllm_dsv4_backend.ops import vllm_cpu  # noqa: E402
 
 pytestmark = pytest.mark.vllm
-
-W = load_core_module("bi_world.py", "_bi_world_for_kernels")
 
 KERNELS = CPU_LAYER_KERNELS
 # Measured on vLLM 0.32.0 (AVX512-BF16/AMX build), 1 and 2 threads, batches of 1..160:

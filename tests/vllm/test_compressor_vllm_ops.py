@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The compressor-store tests of tests/core/test_compressor_store.py that compare with
-vLLM's CPU ops, run against the real ``torch.ops._C`` ops instead of the scalar
-transliteration (tests/core stays torch-only).
+"""The compressor-store tests that compare with vLLM's CPU ops (tests.support.compressor_store,
+which tests/core/test_compressor_store.py runs on a scalar transliteration), run against the
+real ``torch.ops._C`` ops (tests/core stays torch-only).
 
 The ops exist only in the AVX512-BF16 ``_C`` build; on other CPUs vLLM loads
 ``_C_AVX2``/``_C_AVX512`` without them (or the plugin registers torch fallbacks), and these
@@ -16,15 +16,13 @@ import torch
 
 pytest.importorskip("vllm")
 
-from _helpers import load_core_module  # noqa: E402  (tests/vllm is on sys.path)
-
-_core = load_core_module("test_compressor_store.py", "_core_compressor_store")
+from tests.support import compressor_store as cs  # noqa: E402
 
 # Collected here, so they use this module's ``cpu_ops`` fixture.
-test_save_partial_states_matches_cpu_op = _core.test_save_partial_states_matches_cpu_op
-test_indexer_fp8_store_matches_cpu_op = _core.test_indexer_fp8_store_matches_cpu_op
-test_values_match_cpu_op_dequant = _core.test_values_match_cpu_op_dequant
-test_main_store_matches_cpu_op = _core.test_main_store_matches_cpu_op
+test_save_partial_states_matches_cpu_op = cs.test_save_partial_states_matches_cpu_op
+test_indexer_fp8_store_matches_cpu_op = cs.test_indexer_fp8_store_matches_cpu_op
+test_values_match_cpu_op_dequant = cs.test_values_match_cpu_op_dequant
+test_main_store_matches_cpu_op = cs.test_main_store_matches_cpu_op
 
 _NAMES = ("save_partial_states_cpu", "compress_norm_rope_store_cpu",
           "compress_norm_rope_store_indexer_cpu")

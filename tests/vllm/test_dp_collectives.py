@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support import worker_env
+
 WORLD = 2
 # (sizes per rank) cases: uneven, one rank empty, even (sizes=None path).
 CASES: list[list[int] | None] = [[3, 5], [0, 4], [4, 4], None]
@@ -103,7 +105,7 @@ def test_collectives_match_torch_distributed_on_gloo(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
     port = _free_port()
     outs = [tmp_path / f"rank{r}.json" for r in range(WORLD)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = worker_env({**os.environ, "OMP_NUM_THREADS": "1"})
     procs = [subprocess.Popen([sys.executable, __file__, str(r), str(WORLD), str(port),
                                str(outs[r])], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(WORLD)]

@@ -16,9 +16,7 @@ subnormal flush. No engine starts here.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,26 +24,14 @@ import torch
 
 pytest.importorskip("vllm")
 
-from _helpers import real_cpp_ops  # noqa: E402  (tests/vllm is on sys.path)
-
+from tests.data.golden import golden_io as gio  # noqa: E402
+from tests.support.vllm_helpers import real_cpp_ops  # noqa: E402
 from vllm_dsv4_backend.vllm_compat import cpu_ops  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-ROOT = Path(__file__).resolve().parents[2]
-GOLDEN = ROOT / "tests" / "data" / "golden"
 OPS = {op.name: op for op in cpu_ops.OPS}
 
-
-def _load_golden_io() -> Any:
-    spec = importlib.util.spec_from_file_location("dsv4_golden_io", GOLDEN / "golden_io.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-gio = _load_golden_io()
 FILES = list(gio.files())
 
 

@@ -3,10 +3,9 @@
 """The indexer tests of tests/core/test_indexer.py that compare with vLLM's C++ CPU kernels
 (``torch.ops._C.*_cpu``), kept here so tests/core stays torch-only.
 
-The cases come from the core module's helpers (loaded by path, as
-tests/vllm/test_compressor_vllm_ops.py does). The kernels exist only in vLLM's AVX512-BF16
-``_C`` library; on other CPUs (or where the plugin registered its torch fallbacks under the
-same names) these tests skip.
+The cases come from tests.support.indexer (tests/core/test_indexer.py builds its cases
+with it too). The kernels exist only in vLLM's AVX512-BF16 ``_C`` library; on other CPUs
+(or where the plugin registered its torch fallbacks under the same names) these tests skip.
 """
 
 from __future__ import annotations
@@ -18,20 +17,15 @@ import torch
 
 pytest.importorskip("vllm")
 
-from _helpers import load_core_module  # noqa: E402  (tests/vllm is on sys.path)
-
+from tests.support.indexer import (  # noqa: E402
+    PagedCase,
+    fr_list,
+    make_cache,
+    oracle_rope_row,
+    q_inputs,
+)
 from vllm_dsv4_backend.formats import indexer_cache as ic  # noqa: E402
 from vllm_dsv4_backend.ops import indexer as ix  # noqa: E402
-
-_core = load_core_module("test_indexer.py", "_core_indexer")
-
-# The core module's case builders and oracles, under their own names so the test bodies
-# read exactly as they did there.
-PagedCase = _core.PagedCase
-_q_inputs = _core._q_inputs
-fr_list = _core.fr_list
-make_cache = _core.make_cache
-oracle_rope_row = _core.oracle_rope_row
 
 
 def _vllm_op(name: str) -> Any:
@@ -122,7 +116,7 @@ def test_vllm_cpu_indexer_writer_byte_parity():
 def test_q_rope_quant_matches_vllm_cpu_kernel():
     op = _vllm_op("fused_indexer_q_rope_quant_cpu")
     t, h = 5, 64
-    q, pos, _, w = _q_inputs(t, h, 6)
+    q, pos, _, w = q_inputs(t, h, 6)
     cos_sin = torch.randn(1024, 64)
     ss, hs = 128**-0.5, 64**-0.5
     q_fp8 = torch.empty(t, h, 128, dtype=torch.float8_e4m3fn)

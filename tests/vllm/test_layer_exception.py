@@ -67,7 +67,8 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import ROOT, worker_env
+
 MODEL = ROOT / "configs" / "tiny-dsv4"
 FAULT_ENV = "DSV4_TEST_LAYER_FAULT"  # "<layer index>:<position>"; only this file reads it
 FAULT_LAYER = 1  # C4: window + compressed entries
@@ -249,7 +250,8 @@ def _run(mode: str, tmp_path: Path) -> tuple[dict[str, Any], str]:
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     try:
         proc = subprocess.run([sys.executable, __file__, mode, str(out)], capture_output=True,
-                              text=True, timeout=WORKER_TIMEOUT_S, env=env, cwd=ROOT)
+                              text=True, timeout=WORKER_TIMEOUT_S, env=worker_env(env),
+                              cwd=ROOT)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{mode} worker still running after {WORKER_TIMEOUT_S} s (a wedged "
                     f"engine?):\n{str(e.stderr)[-4000:]}")

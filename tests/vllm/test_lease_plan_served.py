@@ -27,11 +27,11 @@ MODEL = ROOT / "configs" / "tiny-dsv4"
 def _worker(dtype: str, out_path: str) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_DSV4_ATTN_IMPL"] = "plugin"
-    from _helpers import TINY_ENGINE, exit_with_report  # tests/vllm: sys.path[0] here
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.plugins import load_general_plugins
 
+    from tests.support.vllm_helpers import TINY_ENGINE, exit_with_report
     from vllm_dsv4_backend.formats.constants import layer_kind
     from vllm_dsv4_backend.layer import core
     from vllm_dsv4_backend.layer.plan import LEASE_PLAN
@@ -80,7 +80,7 @@ if __name__ == "__main__":
 
 pytest.importorskip("vllm")
 
-from _helpers import run_script_report  # noqa: E402  (tests/vllm is on sys.path)
+from tests.support.vllm_helpers import run_script_report  # noqa: E402
 
 
 @pytest.mark.vllm

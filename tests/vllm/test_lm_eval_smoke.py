@@ -33,8 +33,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("lm_eval")
 
-from _helpers import local_serve_config  # noqa: E402  (tests/vllm is on sys.path)
-
+from tests.support.vllm_helpers import local_serve_config  # noqa: E402
 from vllm_dsv4_backend import runner as R  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

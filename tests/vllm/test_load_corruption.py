@@ -23,7 +23,7 @@ the test-only fence switch off (``VLLM_DSV4_TEST_UNSAFE_NO_FENCES=1``):
 2. The same 64 requests again, one at a time, on the same server.
 3. Every request must succeed both times with the same token ids, except
    where the two runs part at a numerical near-tie (TIE_MARGIN: vLLM's own
-   DeepSeek-V4 CPU path is not batch invariant; measurements below), with the
+   DeepSeek-V4 CPU path is not batch invariant; measured in tests.support.served), with the
    same top-1 logprobs within DRIFT_ATOL before that. Corruption (another
    request's data in the attention) picks tokens the other run ranks far
    below its choice, or moves logprobs far more; test_compare_outputs_rules
@@ -41,149 +41,36 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
-import random
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
-aiohttp = pytest.importorskip("aiohttp")
+pytest.importorskip("aiohttp")
 
-from _helpers import healthy, local_serve_config  # noqa: E402  (tests/vllm is on sys.path)
-
+from tests.support.served import (  # noqa: E402
+    HEALTH_TIMEOUT,
+    MAX_PROMPT,
+    N_REQUESTS,
+    SCRATCH,
+    SERVE_CONFIG,
+    Target,
+    compare_outputs,
+    make_requests,
+    run_all,
+)
+from tests.support.vllm_helpers import local_serve_config  # noqa: E402
 from vllm_dsv4_backend import runner as R  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
-SERVE_CONFIG = Path(
-    os.environ.get("DSV4_TEST_SERVE_CONFIG", ROOT / "configs/serve/tiny-dsv4-cpu.yaml")
-)
-SCRATCH = Path(os.environ.get("DSV4_SCRATCH", ROOT / ".scratch"))
-HEALTH_TIMEOUT = float(os.environ.get("DSV4_TEST_HEALTH_TIMEOUT", 600))
-N_REQUESTS = 64
+# The requests, the server targets and the verdict rule (tests.support.served, shared with
+# the tensor-parallel and parallel-layout tests); the tolerances are measured there.
 CONCURRENCY = 16
-MAX_PROMPT = 600
-REQUEST_TIMEOUT_S = 180
-# vLLM 0.32's DeepSeek-V4 CPU path is not batch invariant. On this exact load,
-# concurrent vs solo, top-1 logprob drift before any divergence and near-tie
-# divergences (bf16 logits, batch-shape dependent GEMMs, MoE routing ties):
-#   vLLM's own layer (ATTN_IMPL=vllm): p50 1e-4, p90 0.016, p99 0.13, max 0.24;
-#     7/64 requests part at a near-tie (gap <= 0.45);
-#   the plugin's layer, shared and private identical: p50 1e-4, p90 0.016,
-#     p99 0.13, max 0.28; the same 7 ties (gap <= 0.45).
-# An earlier uniform 1..600 length mix gave max drift 0.30 (vLLM's layer) and
-# 0.64 (plugin's, both policies, at the request and step of vLLM's maximum).
-# Corruption (another request's data in the attention) replaces the hidden
-# state: the other run's token then sits at a random rank, on average at least
-# ln(512) - 3.6 = 2.6 nats below the top pick (the mean log-probability over
-# the vocabulary is <= -ln 512 by Jensen; top picks are ~-3.6), far outside.
-TOP_N = 20  # logprobs per step (vLLM's default max_logprobs)
-TIE_MARGIN = 1.0  # a divergence is a tie if each pick is this close in the other run
-DRIFT_ATOL = 1.0  # top-1 logprob agreement before any divergence
 MAX_TIES = N_REQUESTS * 3 // 8  # ties beyond this are not rounding any more
 # The workspace manager belongs to the plugin's layer.
 IMPL = "plugin"
-
-
-def _allowed_token_ids(model_dir: Path, vocab_size: int) -> list[int]:
-    """Ids of ordinary tokens: no added/special tokens (BOS/EOS/chat markers)."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    special = set(tok.get_added_tokens_decoder())  # {id: AddedToken}
-    n = min(tok.get_vocab_size(with_added_tokens=True), vocab_size)
-    ids = [i for i in range(n) if i not in special]
-    assert len(ids) > 32, f"tokenizer at {model_dir} has too few ordinary tokens"
-    return ids
-
-
-def make_requests(model_dir: Path, seed: int = 0) -> list[dict]:
-    """64 deterministic requests: prompt lengths 1..600, 8..16 new tokens.
-
-    Lengths are log-uniform (median ~35, a third above the 128-token window,
-    a sixth above 300): short decode-like prompts and long prefills in the same
-    batches, at a third of the prefill work of a uniform spread (the solo pass
-    repeats every prefill, one request at a time, on 2 CPU cores).
-    """
-    cfg = json.loads((model_dir / "config.json").read_text())
-    ids = _allowed_token_ids(model_dir, int(cfg["vocab_size"]))
-    rng = random.Random(seed)
-    log_max = math.log(MAX_PROMPT)
-    lengths = [1, MAX_PROMPT] + [
-        min(MAX_PROMPT, max(1, round(math.exp(rng.uniform(0.0, log_max)))))
-        for _ in range(N_REQUESTS - 2)
-    ]
-    rng.shuffle(lengths)
-    return [
-        {"prompt": [rng.choice(ids) for _ in range(n)], "max_tokens": 8 + i % 9}
-        for i, n in enumerate(lengths)
-    ]
-
-
-async def _complete(session: aiohttp.ClientSession, url: str, model: str, req: dict) -> dict:
-    body = {
-        "model": model,
-        "prompt": req["prompt"],
-        "max_tokens": req["max_tokens"],
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "logprobs": TOP_N,
-        "return_token_ids": True,
-        "return_tokens_as_token_ids": True,  # top-N keyed "token_id:<id>", not text
-    }
-    async with session.post(f"{url}/v1/completions", json=body) as r:
-        text = await r.text()
-        if r.status != 200:
-            return {"error": f"HTTP {r.status}: {text[:300]}"}
-        choice = json.loads(text)["choices"][0]
-        lp = choice["logprobs"]
-        return {
-            "token_ids": choice.get("token_ids"),
-            "logprobs": lp["token_logprobs"],
-            "top": [
-                {int(k.split(":")[1]): v for k, v in step.items()} for step in lp["top_logprobs"]
-            ],
-            "finish_reason": choice["finish_reason"],
-        }
-
-
-async def _run_all(url: str, model: str, reqs: list[dict], concurrency: int) -> list[dict]:
-    sem = asyncio.Semaphore(concurrency)
-    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-
-        async def one(req: dict) -> dict:
-            async with sem:
-                try:
-                    return await _complete(session, url, model, req)
-                except (TimeoutError, aiohttp.ClientError) as e:
-                    return {"error": f"{type(e).__name__}: {e}"}
-
-        if concurrency == 1:
-            return [await one(r) for r in reqs]
-        return list(await asyncio.gather(*(one(r) for r in reqs)))
-
-
-@dataclass(frozen=True)
-class Target:
-    """A server under test: its URL, served model name and where its log is."""
-
-    base_url: str
-    model: str
-    log: Path
-    impl: str
-    policy: str
-    marker_dir: Path | None = None
-
-    def healthy(self) -> bool:
-        return healthy(self.base_url)
-
 
 # On CPU the no-fence server is, by construction, the shared one's execution (one
 # stream: no fence ever waits, see _check_workspace_counters), so it repeats that run;
@@ -243,42 +130,13 @@ def served(request, tmp_path_factory) -> Iterator[Target]:
                      run_dir / "markers")
 
 
-def compare_outputs(conc: dict, solo: dict, *, tie_margin: float = TIE_MARGIN,
-                    drift_atol: float = DRIFT_ATOL) -> tuple[str, str]:
-    """Verdict for one request served concurrently vs alone: ("same" | "tie" | "bad", why).
-
-    Identical token ids -> "same". Diverging ids are accepted ("tie") only at a
-    numerical near-tie: at the first differing step each run's token is in the
-    other run's top-N within ``tie_margin`` of its pick. After that the contexts
-    differ, so later steps are not compared. Top-1 logprobs of the common
-    prefix must agree within ``drift_atol``. Anything else -> "bad".
-    """
-    ids_c, ids_s = conc["token_ids"], solo["token_ids"]
-    k = next((i for i, (a, b) in enumerate(zip(ids_c, ids_s)) if a != b), None)
-    upto = len(ids_c) if k is None else k
-    drift = max((abs(x - y) for x, y in zip(conc["logprobs"][:upto], solo["logprobs"][:upto])),
-                default=0.0)  # fmt: skip
-    if not drift <= drift_atol:
-        return "bad", f"top-1 logprob drift {drift:.3f} > {drift_atol} before any divergence"
-    if k is None:
-        return "same", f"drift {drift:.3f}"
-    a, b = ids_c[k], ids_s[k]
-    top_c, top_s = conc["top"][k], solo["top"][k]
-    if b not in top_c or a not in top_s:
-        return "bad", f"step {k}: {a} vs {b}, not even in each other's top-{TOP_N}"
-    gap = max(top_c[a] - top_c[b], top_s[b] - top_s[a])
-    if gap > tie_margin:
-        return "bad", f"step {k}: {a} vs {b}, logprob gap {gap:.3f} > {tie_margin}"
-    return "tie", f"step {k}: {a} vs {b} at a near-tie (gap {gap:.3f}, drift {drift:.3f})"
-
-
 def test_concurrent_outputs_equal_solo_outputs(served: Target) -> None:
     srv, policy = served, f"{served.impl}/{served.policy}"
     reqs = make_requests(R.load_serve_config(SERVE_CONFIG).model_path)
 
     before = _workspace_counters(srv, required=False)
-    conc = asyncio.run(_run_all(srv.base_url, srv.model, reqs, CONCURRENCY))
-    solo = asyncio.run(_run_all(srv.base_url, srv.model, reqs, 1))
+    conc = asyncio.run(run_all(srv.base_url, srv.model, reqs, CONCURRENCY))
+    solo = asyncio.run(run_all(srv.base_url, srv.model, reqs, 1))
     after = _workspace_counters(srv, required=True)
 
     # the raw outputs next to the server log, for diagnosing a failure

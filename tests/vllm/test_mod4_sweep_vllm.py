@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The prompt-length sweep of tests/core/test_mod4_sweep.py on vLLM 0.32's real C++ CPU
-kernels, and prompt logprobs of the served tiny model, plugin layer vs vLLM's layer.
+"""The prompt-length sweep of tests/core/test_mod4_sweep.py (tests.support.mod4_sweep) on
+vLLM 0.32's real C++ CPU kernels, and prompt logprobs of the served tiny model, plugin
+layer vs vLLM's layer.
 
 Issue 29 item 2 (vllm#55927: a wrong token whenever the prompt length is 3 mod 4).
 
@@ -39,22 +40,16 @@ import torch
 
 pytest.importorskip("vllm")
 
-_CORE = Path(__file__).resolve().parents[1] / "core"
-if str(_CORE) not in sys.path:  # the core module imports oracle / test_compressor_store
-    sys.path.insert(0, str(_CORE))
-
-from _helpers import (  # noqa: E402  (tests/vllm is on sys.path)
+from tests.support import ROOT, worker_env  # noqa: E402
+from tests.support import mod4_sweep as S  # noqa: E402
+from tests.support.vllm_helpers import (  # noqa: E402
     CPU_LAYER_KERNELS,
     TINY_ENGINE,
-    load_core_module,
     real_cpp_ops,
 )
 
-S = load_core_module("test_mod4_sweep.py", "_mod4_sweep_core")
-
 pytestmark = pytest.mark.vllm
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "configs" / "tiny-dsv4"
 KERNELS = CPU_LAYER_KERNELS
 # vLLM's C++ kernels round more than the torch path (bf16 probabilities and partial
@@ -192,7 +187,7 @@ def test_prompt_logprobs_plugin_vs_vllm_layer(tmp_path: Path) -> None:
     sp, op = tmp_path / "spec.json", tmp_path / "out.json"
     sp.write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, __file__, str(sp), str(op)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=3600)
+                          env=worker_env(), capture_output=True, text=True, timeout=3600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     res = json.loads(op.read_text())
     problems = []

@@ -11,7 +11,7 @@ variant, both models in it):
 * ``none``: ``VLLM_PLUGINS=`` (empty): vLLM without any plugin;
 * ``plugin``: vLLM's default, which loads ``dsv4_backend`` (the entry point);
 * ``failing``: the plugin loaded with every registry entry's install failing after
-  it changed vLLM (``test_patch_failures``'s ``after`` injection), except the
+  it changed vLLM (``tests.support.patch_failures``' ``after`` injection), except the
   architecture check, which installs and then fails each time vLLM builds an
   engine config (it runs for every model).
 
@@ -96,19 +96,21 @@ def _worker(variant: str, models_dir: str, out_path: str) -> None:
         os.environ["VLLM_PLUGINS"] = ""
     else:
         os.environ.pop("VLLM_PLUGINS", None)
-    sys.path.insert(0, str(Path(__file__).parent))
-    from _helpers import exit_with_report
+    from tests.support.vllm_helpers import exit_with_report
 
     errors: dict[tuple[str, float], None] = {}
     if variant == "failing":
-        import test_patch_failures as pf  # tests/vllm: sys.path[0] here
+        # vLLM first, as when this worker imported the injection from the test module (which
+        # imports vllm): vLLM's logging setup on import resets the "vllm" logger's handlers.
+        import vllm  # noqa: F401
 
+        from tests.support import patch_failures as pf
         from vllm_dsv4_backend import guards
         from vllm_dsv4_backend.vllm_compat import patches
 
-        errors = pf._capture_errors()
-        pf._inject("after", [n for n in patches.PATCHES if n != "architecture_check"], {},
-                   elsewhere=False)
+        errors = pf.capture_errors()
+        pf.inject("after", [n for n in patches.PATCHES if n != "architecture_check"], {},
+                  elsewhere=False)
 
         def failing_check(vllm_config: Any) -> None:
             raise AttributeError("injected into architecture_check's check")
@@ -157,7 +159,7 @@ if __name__ == "__main__":
 # ----------------------------------------------------------------------------
 pytest.importorskip("vllm")
 
-from _helpers import run_script_report  # noqa: E402  (tests/vllm is on sys.path)
+from tests.support.vllm_helpers import run_script_report  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,8 @@ as each rank here).
    stage 0, layer 2 on stage 1), one per model step on both stages.
 3. TP 2 x PP 2 serves: four ranks, each stage's lines name its layers; the outputs are
    TP 2's, i.e. one process's up to TP's rounding, checked with
-   ``test_tensor_parallel``'s rules (near-tie divergences, teacher-forced bounds).
+   ``test_tensor_parallel``'s rules (near-tie divergences, teacher-forced bounds:
+   tests.support.served).
 4. DP 2 serves (it returned HTTP 500 on every request: vLLM's CPU communicator has no
    ``all_gatherv`` / ``reduce_scatterv`` for the MoE, the ``dp_collectives`` patch adds
    them on gloo; and the plugin's layer now skips the indexer in an idle rank's dummy
@@ -35,40 +36,20 @@ as each rank here).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
 import re
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 pytest.importorskip("aiohttp")
 
-from test_load_corruption import (  # noqa: E402  (tests/vllm is on sys.path)
-    SERVE_CONFIG,
-    Target,
-    _run_all,
-    make_requests,
-)
-from test_tensor_parallel import (  # noqa: E402
-    FORCED_P50,
-    FORCED_P99,
-    TP_TIE_MARGIN,
-    _bind_list,
-    _prompt_logprobs,
-    _verdicts,
-)
-
+from tests.support import served as S  # noqa: E402
 from vllm_dsv4_backend import runner as R  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRATCH = Path(os.environ.get("DSV4_SCRATCH", ROOT / ".scratch"))
-HEALTH_TIMEOUT = float(os.environ.get("DSV4_TEST_HEALTH_TIMEOUT", 600))
 N_REQUESTS = 8
 LOG_EVERY = 4  # VLLM_DSV4_WORKSPACE_LOG_EVERY of the servers
 # KV cache per rank: 256 MiB (13k tokens, 3 whole 4096-token requests) instead of the
@@ -92,36 +73,22 @@ LIVE = re.compile(r"\((?P<proc>Worker\S*) pid=\d+\).*workspace live \(CPU\): (?P
 
 
 @pytest.fixture(scope="module")
-def layout_servers(tmp_path_factory) -> Iterator[dict[str, Target]]:
+def layout_servers(tmp_path_factory) -> Iterator[dict[str, S.Target]]:
     """The three servers of this module, started together, stopped at its end."""
-    bind = _bind_list(2)
+    bind = S.bind_list(2)
     if bind is None:
         pytest.skip("the parallel layouts on the CPU build need 2 CPUs (one per rank pair)")
-    serve = R.load_serve_config(SERVE_CONFIG)
-    root = tmp_path_factory.mktemp("layouts")
-    with contextlib.ExitStack() as stack:
-        servers = {}
-        for name, (flags, ranks) in LAYOUTS.items():
+    launches = {
+        name: S.Launch(
+            "plugin", "shared", args=[*flags, "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)],
             # More ranks than CPUs (TP 2 x PP 2): two ranks per CPU, a stage per pair.
-            env = R.cpu_env(SCRATCH, {
-                **os.environ, "VLLM_DSV4_ATTN_IMPL": "plugin",
-                "VLLM_CPU_OMP_THREADS_BIND": "|".join([bind] * (ranks // 2)),
-                "VLLM_DSV4_WORKSPACE_LOG_EVERY": str(LOG_EVERY),
-                "VLLM_DSV4_MARKER_DIR": str(root / f"markers-{name}"),
-                "PYTHONUNBUFFERED": "1",
-            })  # fmt: skip
+            env={"VLLM_CPU_OMP_THREADS_BIND": "|".join([bind] * (ranks // 2)),
+                 "VLLM_DSV4_WORKSPACE_LOG_EVERY": str(LOG_EVERY), "PYTHONUNBUFFERED": "1"},
             # vLLM's CPU platform lets this legacy variable override --kv-cache-memory-bytes.
-            env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-            srv = stack.enter_context(R.make_server(
-                serve, log_path=root / f"server-{name}.log", env=env,
-                extra_args=[*flags, "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]))
-            servers[name] = (srv, root / f"server-{name}.log")
-        out = {}
-        for name, (srv, log) in servers.items():
-            srv.wait_healthy(timeout=HEALTH_TIMEOUT)
-            out[name] = Target(srv.base_url, serve.served_model_name, log, "plugin", "shared",
-                               marker_dir=log.parent / f"markers-{name}")
-        yield out
+            unset=["VLLM_CPU_KVCACHE_SPACE"])
+        for name, (flags, ranks) in LAYOUTS.items()}
+    with S.serve_together(tmp_path_factory.mktemp("layouts"), launches) as servers:
+        yield servers
 
 
 @pytest.fixture(scope="module")
@@ -131,13 +98,13 @@ def outputs(tiny_server, layout_servers) -> dict[str, list]:
     if tiny_server.attn_impl != "plugin":
         pytest.skip("the session server runs vLLM's layer (VLLM_DSV4_ATTN_IMPL); this test "
                     "compares the plugin's")
-    reqs = make_requests(R.load_serve_config(SERVE_CONFIG).model_path)[:N_REQUESTS]
+    reqs = S.make_requests(R.load_serve_config(S.SERVE_CONFIG).model_path)[:N_REQUESTS]
     out: dict[str, list] = {
         "requests": reqs,
-        "tp1": asyncio.run(_run_all(tiny_server.base_url, tiny_server.model, reqs, 1)),
+        "tp1": asyncio.run(S.run_all(tiny_server.base_url, tiny_server.model, reqs, 1)),
     }
     for name, t in layout_servers.items():
-        out[name] = asyncio.run(_run_all(t.base_url, t.model, reqs, 1))
+        out[name] = asyncio.run(S.run_all(t.base_url, t.model, reqs, 1))
     dump = layout_servers["pp2"].log.parent / "layout-outputs.json"
     dump.write_text(json.dumps(out))
     for k in ("tp1", *LAYOUTS):
@@ -146,21 +113,21 @@ def outputs(tiny_server, layout_servers) -> dict[str, list]:
         for req, r in zip(reqs, out[k], strict=True):
             assert len(r["token_ids"]) == req["max_tokens"], (k, r)
     forced = [r["prompt"] + o["token_ids"] for r, o in zip(reqs, out["tp1"], strict=True)]
-    out["forced_tp1"] = [_prompt_logprobs(tiny_server.base_url, tiny_server.model, ids)
+    out["forced_tp1"] = [S.prompt_logprobs(tiny_server.base_url, tiny_server.model, ids)
                          for ids in forced]
     for name in ("tp2pp2", "dp2"):
         t = layout_servers[name]
-        out[f"forced_{name}"] = [_prompt_logprobs(t.base_url, t.model, ids) for ids in forced]
+        out[f"forced_{name}"] = [S.prompt_logprobs(t.base_url, t.model, ids) for ids in forced]
     dump.write_text(json.dumps(out))
     return out
 
 
-def _lines(target: Target, pattern: re.Pattern[str]) -> list[re.Match[str]]:
+def _lines(target: S.Target, pattern: re.Pattern[str]) -> list[re.Match[str]]:
     return [m for ln in target.log.read_text(errors="replace").splitlines()
             if (m := pattern.search(ln))]
 
 
-def _applied(target: Target) -> list[str]:
+def _applied(target: S.Target) -> list[str]:
     assert target.marker_dir is not None
     markers = [json.loads(p.read_text()) for p in target.marker_dir.glob("*.json")]
     return [str(a) for m in markers for a in m.get("applied", [])]
@@ -202,8 +169,8 @@ def test_each_stage_reserves_and_counts_its_own_layers(outputs, layout_servers, 
 
 
 def _check_tp_rounding(outputs: dict[str, list], name: str) -> str:
-    v = _verdicts(outputs["tp1"], outputs[name], outputs["requests"],
-                  tie_margin=TP_TIE_MARGIN)
+    v = S.verdicts_by_kind(outputs["tp1"], outputs[name], outputs["requests"],
+                           tie_margin=S.TP_TIE_MARGIN)
     summary = {k: len(x) for k, x in v.items()}
     assert not v["bad"], f"{name} differs from one process beyond rounding {summary}: {v['bad']}"
     diffs = sorted(abs(a - b) for x, y in zip(outputs["forced_tp1"], outputs[f"forced_{name}"],
@@ -211,7 +178,7 @@ def _check_tp_rounding(outputs: dict[str, list], name: str) -> str:
                    for a, b in zip(x, y, strict=True))
     assert len(diffs) > 500
     q = {p: diffs[min(len(diffs) - 1, int(p / 100 * len(diffs)))] for p in (50, 90, 99)}
-    assert q[50] <= FORCED_P50 and q[99] <= FORCED_P99, q
+    assert q[50] <= S.FORCED_P50 and q[99] <= S.FORCED_P99, q
     return (f"{name} vs one process: {summary}; teacher-forced |logprob diff| over "
             f"{len(diffs)} positions: p50 {q[50]:.4f}, p90 {q[90]:.4f}, p99 {q[99]:.4f}, "
             f"max {diffs[-1]:.4f}; {v}")

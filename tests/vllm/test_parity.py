@@ -27,7 +27,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from _helpers import TINY_ENGINE  # noqa: E402  (tests/vllm is on sys.path)
+from tests.support import worker_env  # noqa: E402
+from tests.support.vllm_helpers import TINY_ENGINE  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "configs" / "tiny-dsv4"
@@ -124,7 +125,7 @@ def parity_runs(tmp_path_factory):
          str(d / "spec.json"), str(d / "out.json")],
         capture_output=True, text=True, timeout=1800,
         # A 2k-token prefill on a loaded 2-core box can exceed vLLM's 300 s step limit.
-        env={**os.environ, "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "1500"},
+        env=worker_env({**os.environ, "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "1500"}),
     )
     if proc.returncode != 0:
         pytest.fail(f"parity worker failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n"

@@ -20,12 +20,14 @@ vllm.engine.arg_utils`` (what every ``vllm serve`` imports), and for each entry 
 its install, with vLLM's objects put back.
 
 The entries vLLM does not reach through an import (``install`` None) are failed
-where the plugin applies them (:data:`ELSEWHERE`); a new such entry must be added
-there (the test says so). The engine-level checks (a model served with the patches
-failing, other models untouched by the plugin) are in ``test_other_models.py``.
+where the plugin applies them (``ELSEWHERE``, in tests.support.patch_failures with the
+rest of the injection); a new such entry must be added there (the test says so). The
+engine-level checks (a model served with the patches failing, other models untouched by
+the plugin) are in ``test_other_models.py``.
 
 This file is also the worker script: ``python test_patch_failures.py imports MODE OUT``
-or ``... strict - OUT``.
+or ``... strict - OUT`` (launched by ``run_script_report``, which makes ``tests``
+importable).
 """
 
 from __future__ import annotations
@@ -33,32 +35,24 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-import logging
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-EXCEPTIONS: tuple[type[Exception], ...] = (AttributeError, TypeError, RuntimeError, KeyError)
+# The injection (vLLM-free on import: this file is also the workers' script).
+from tests.support.patch_failures import (
+    ELSEWHERE,
+    NOT_FAILED,
+    capture_errors,
+    exception_for,
+    failing,
+    inject,
+    snapshot,
+)
 
-# Registry entries without an install function and the plugin function whose failure
-# stands for theirs (patched on the module named, in the worker).
-ELSEWHERE: dict[str, tuple[str, str]] = {
-    # The layer is resolved and placed by the hook install_attention_layer arms.
-    "attention_layer": ("vllm_dsv4_backend.layer", "get_attention_layer_cls"),
-    # Built when vLLM asks the plugin's SWA backend for its builder.
-    "swa_unread_kernels": ("vllm_dsv4_backend.backend", "_cpu_swa_builder_cls"),
-}
-# Entries a mode does not fail. mxfp4_indexer_cache is applied while the plugin's layer
-# is resolved: failing attention_layer in "before" would leave it unreached, so it is
-# failed in "after" only, where attention_layer is left to surface its failure.
-NOT_FAILED: dict[str, frozenset[str]] = {
-    "after": frozenset({"attention_layer"}),
-    "before": frozenset({"mxfp4_indexer_cache"}),
-}
 # Entries whose real install changes no vLLM attribute in this flow, so "after" can
 # only check the failure is caught: the fallbacks register torch ops (none where
 # vLLM's library has them all); the LLM hook applies only where LLM was imported
@@ -66,90 +60,9 @@ NOT_FAILED: dict[str, frozenset[str]] = {
 CHANGES_NOTHING = frozenset({"cpu_op_fallbacks", "llm_attention_config", "swa_unread_kernels"})
 
 
-def _exception_for(name: str) -> type[Exception]:
-    """The failure entry ``name`` gets (by its place in the registry)."""
-    from vllm_dsv4_backend.vllm_compat import patches
-
-    return EXCEPTIONS[list(patches.PATCHES).index(name) % len(EXCEPTIONS)]
-
-
 # ----------------------------------------------------------------------------
 # worker (a fresh interpreter: patches must not leak into pytest's process)
 # ----------------------------------------------------------------------------
-Snapshot = dict[tuple[int, str], tuple[Any, str, Any]]
-
-
-def _snapshot() -> Snapshot:
-    """Every attribute of every imported vLLM module and of the classes it defines."""
-    snap: Snapshot = {}
-    for name, module in list(sys.modules.items()):
-        if module is None or not (name == "vllm" or name.startswith("vllm.")):
-            continue
-        owners: list[Any] = [module]
-        owners += [v for v in list(vars(module).values())
-                   if isinstance(v, type) and v.__module__ == name]
-        for owner in owners:
-            for key, value in list(vars(owner).items()):
-                snap[(id(owner), key)] = (owner, key, value)
-    return snap
-
-
-def _changed(before: Snapshot, after: Snapshot) -> list[tuple[Any, str, Any]]:
-    """``(owner, attr, vLLM's value)`` of every attribute ``before`` had that changed."""
-    return [entry for key, entry in before.items()
-            if key not in after or after[key][2] is not entry[2]]
-
-
-def _failing(name: str, real: Callable[..., Any], mode: str, exc: type[Exception],
-             changed: dict[str, list[tuple[Any, str, Any]]]) -> Callable[..., Any]:
-    """``real`` that raises ``exc`` before (``before``) or after (``after``) running;
-    in ``after`` it records what ``real`` changed in vLLM."""
-
-    def failing(*args: Any, **kwargs: Any) -> Any:
-        if mode == "after":
-            before = _snapshot()
-            real(*args, **kwargs)
-            changed.setdefault(name, []).extend(_changed(before, _snapshot()))
-        raise exc(f"injected into {name}")
-
-    return failing
-
-
-def _inject(mode: str, names: list[str], changed: dict[str, list[tuple[Any, str, Any]]],
-            elsewhere: bool) -> None:
-    """Fail every entry ``mode`` fails: the registry's installs, or (``elsewhere``)
-    the :data:`ELSEWHERE` functions (their modules import vLLM: only once it is)."""
-    from vllm_dsv4_backend.vllm_compat import patches
-
-    for name in names:
-        if name in NOT_FAILED.get(mode, ()):
-            continue
-        patch = patches.PATCHES[name]
-        exc = _exception_for(name)
-        if patch.install is not None and not elsewhere:
-            patches.PATCHES[name] = dataclasses.replace(
-                patch, install=_failing(name, patch.install, mode, exc, changed))
-        elif patch.install is None and elsewhere and name in ELSEWHERE:
-            module = importlib.import_module(ELSEWHERE[name][0])
-            attr = ELSEWHERE[name][1]
-            setattr(module, attr, _failing(name, getattr(module, attr), mode, exc, changed))
-
-
-def _capture_errors() -> dict[tuple[str, float], None]:
-    """ERROR records of vLLM's and the plugin's loggers from now on (keys: message, time)."""
-    seen: dict[tuple[str, float], None] = {}
-
-    class Handler(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            # A record seen by both loggers counts once.
-            if record.levelno >= logging.ERROR:
-                seen[(record.getMessage(), record.created)] = None
-
-    for logger_name in ("vllm", "vllm_dsv4_backend"):
-        logging.getLogger(logger_name).addHandler(Handler())
-    return seen
-
-
 def _target_modules() -> list[str]:
     """The modules the registry patches, CUDA's model aside (it does not import on CPU)."""
     from vllm_dsv4_backend.vllm_compat import patches
@@ -171,17 +84,17 @@ def _not_restored(changed: dict[str, list[tuple[Any, str, Any]]]) -> dict[str, l
 
 def _imports_worker(mode: str, out_path: str) -> None:
     os.environ["VLLM_DSV4_ATTN_IMPL"] = "auto"
-    errors = _capture_errors()
+    errors = capture_errors()
     from vllm_dsv4_backend.vllm_compat import hooks, patches
 
     names = list(patches.PATCHES)
     changed: dict[str, list[tuple[Any, str, Any]]] = {}
-    _inject(mode, names, changed, elsewhere=False)
+    inject(mode, names, changed, elsewhere=False)
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
     # vllm_dsv4_backend.layer imports no vLLM: in place before the model's import.
-    _inject(mode, ["attention_layer"], changed, elsewhere=True)
+    inject(mode, ["attention_layer"], changed, elsewhere=True)
     import_errors = {}
     for module in _target_modules():
         try:
@@ -193,7 +106,7 @@ def _imports_worker(mode: str, out_path: str) -> None:
 
     from vllm_dsv4_backend import backend
 
-    _inject(mode, [n for n in names if n != "attention_layer"], changed, elsewhere=True)
+    inject(mode, [n for n in names if n != "attention_layer"], changed, elsewhere=True)
     swa_cls = backend.get_swa_builder_cls()
     from vllm.models.deepseek_v4.cpu.cpu_mla import DeepseekV4CPUSparseSWAMetadataBuilder
 
@@ -203,7 +116,7 @@ def _imports_worker(mode: str, out_path: str) -> None:
         except Exception:  # noqa: BLE001 - vLLM's placeholders for absent packages raise
             return False
 
-    leftover = sorted(f"{getattr(o, '__name__', o)}.{k}" for o, k, v in _snapshot().values()
+    leftover = sorted(f"{getattr(o, '__name__', o)}.{k}" for o, k, v in snapshot().values()
                       if is_port(v))
     report = {
         "names": names,
@@ -236,13 +149,13 @@ def _strict_worker(out_path: str) -> None:
     changed: dict[str, list[tuple[Any, str, Any]]] = {}
     per_entry: dict[str, dict[str, Any]] = {}
     for name in names:
-        exc = _exception_for(name)
+        exc = exception_for(name)
         patch = real[name]
         patches._failed.clear()  # each entry on its own (mxfp4 is applied by the layer too)
         try:
             if patch.install is not None:
                 injected = dataclasses.replace(
-                    patch, install=_failing(name, patch.install, "after", exc, changed))
+                    patch, install=failing(name, patch.install, "after", exc, changed))
                 for m in patch.modules:
                     if m in modules:
                         patches._install(injected, modules[m], lambda _d: None, strict=True)
@@ -270,7 +183,7 @@ def _strict_worker(out_path: str) -> None:
                 from vllm_dsv4_backend import backend
 
                 backend._SWA_BUILDER_CLS = None
-                backend._cpu_swa_builder_cls = _failing(
+                backend._cpu_swa_builder_cls = failing(
                     name, backend._cpu_swa_builder_cls, "after", exc, changed)
                 backend.get_swa_builder_cls()
             else:
@@ -288,7 +201,7 @@ def _strict_worker(out_path: str) -> None:
     patches._failed.clear()
     patches._records.clear()
     patches.PATCHES["architecture_check"] = dataclasses.replace(
-        real["architecture_check"], install=_failing(
+        real["architecture_check"], install=failing(
             "architecture_check", real["architecture_check"].install, "before",
             AttributeError, {}))
     sys.modules.pop("vllm.engine.arg_utils")
@@ -321,8 +234,7 @@ if __name__ == "__main__":
 # ----------------------------------------------------------------------------
 pytest.importorskip("vllm")
 
-from _helpers import run_script_report  # noqa: E402  (tests/vllm is on sys.path)
-
+from tests.support.vllm_helpers import run_script_report  # noqa: E402
 from vllm_dsv4_backend.vllm_compat import patches  # noqa: E402
 
 NAMES = list(patches.PATCHES)
@@ -359,7 +271,7 @@ def test_failing_patch_keeps_vllm(imports_reports, mode, name):
     named = [e for e in r["errors"] if f"patch {name} " in e]
     assert len(named) == 1, (f"{name}: expected one ERROR line naming it, got {named}; "
                              f"all ERROR lines: {r['errors']}")
-    assert _exception_for(name).__name__ in named[0]
+    assert exception_for(name).__name__ in named[0]
     assert name not in r["not_restored"], f"vLLM's objects not put back: {r['not_restored']}"
     if mode == "after" and name not in CHANGES_NOTHING:
         assert r["changed"].get(name, 0) > 0, f"{name}'s real install changed nothing"

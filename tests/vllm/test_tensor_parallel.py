@@ -42,49 +42,24 @@ this process's CPUs (``VLLM_CPU_OMP_THREADS_BIND=0|1`` on 2 CPUs).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 pytest.importorskip("aiohttp")
 
-from test_load_corruption import (  # noqa: E402  (tests/vllm is on sys.path)
-    SERVE_CONFIG,
-    Target,
-    _run_all,
-    compare_outputs,
-    make_requests,
-)
-
+from tests.support import served as S  # noqa: E402
 from vllm_dsv4_backend import runner as R  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRATCH = Path(os.environ.get("DSV4_SCRATCH", ROOT / ".scratch"))
-HEALTH_TIMEOUT = float(os.environ.get("DSV4_TEST_HEALTH_TIMEOUT", 600))
 N_REQUESTS = 16
 PARITY_ATOL = 1e-6  # the same kernels in the same order: identical (as tests/vllm/test_parity.py)
 MAX_TIES = N_REQUESTS * 3 // 4  # measured 11 of 16
-# Teacher-forced TP 1 vs TP 2 |logprob| differences over 1874 positions, measured: p50
-# 0.022, p90 0.14, p99 0.44, max 1.05. The median is rounding-sized; the tail is probably
-# rounding flipping near-ties upstream (MoE top-6 routing over 64 experts), not measured
-# separately. A different model moves the median itself to ~1 nat.
-FORCED_P50 = 0.05
-FORCED_P99 = 0.75
-# Greedy TP 1 vs TP 2: a divergence is a near-tie if each pick is within this margin of the
-# other's in both runs. Each run's logprobs sit within the teacher-forced bound of the other's,
-# so the gap between two picks can open by twice that: 2 x FORCED_P99, still below the
-# ~2.6 nats a foreign hidden state costs (test_load_corruption). Measured: gaps <= 0.48 on an
-# AVX512-BF16/AMX Xeon and the AVX2 path; one of 1.016 on an AMD EPYC without AMX (2026-12-02,
-# teacher-forced max 0.75 there), past the load test's 1.0.
-TP_TIE_MARGIN = 2 * FORCED_P99
+# The TP 1 vs TP 2 bounds (teacher-forced FORCED_P50 / FORCED_P99, greedy TP_TIE_MARGIN) are
+# tests.support.served's (S), with their measurements: the parallel layouts use them too.
 
 
 # TP 2 servers: the plugin's layer, vLLM's own, and the seed's full command line (expert
@@ -98,40 +73,20 @@ SEED_FLAGS = [
 VARIANTS: dict[str, list[str]] = {"plugin": [], "vllm": [], "plugin_ep": SEED_FLAGS}
 
 
-def _bind_list(n: int) -> str | None:
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if len(cpus) < n:
-        return None
-    per = len(cpus) // n
-    return "|".join(",".join(str(c) for c in cpus[i * per:(i + 1) * per]) for i in range(n))
-
-
 @pytest.fixture(scope="module")
-def tp2_servers(tmp_path_factory) -> Iterator[dict[str, Target]]:
+def tp2_servers(tmp_path_factory) -> Iterator[dict[str, S.Target]]:
     """TP 2 servers of the serve config: the plugin's layer and vLLM's own, started together
     (their imports overlap) and stopped at the end of the module."""
-    bind = _bind_list(2)
+    bind = S.bind_list(2)
     if bind is None:
         pytest.skip("tensor parallel 2 on the CPU build needs 2 CPUs (one per rank)")
-    serve = R.load_serve_config(SERVE_CONFIG)
-    root = tmp_path_factory.mktemp("tp2")
-    with contextlib.ExitStack() as stack:
-        servers = {}
-        for name, extra in VARIANTS.items():
-            impl = "vllm" if name == "vllm" else "plugin"
-            env = R.cpu_env(SCRATCH, {
-                **os.environ, "VLLM_DSV4_ATTN_IMPL": impl, "VLLM_CPU_OMP_THREADS_BIND": bind,
-                "VLLM_DSV4_MARKER_DIR": str(root / f"markers-{name}"),
-            })  # fmt: skip
-            srv = stack.enter_context(R.make_server(
-                serve, log_path=root / f"server-{name}.log", env=env,
-                extra_args=["--tensor-parallel-size", "2", *extra]))
-            servers[name] = (srv, root / f"server-{name}.log")
-        out = {}
-        for impl, (srv, log) in servers.items():
-            srv.wait_healthy(timeout=HEALTH_TIMEOUT)
-            out[impl] = Target(srv.base_url, serve.served_model_name, log, impl, "tp2")
-        yield out
+    launches = {
+        name: S.Launch("vllm" if name == "vllm" else "plugin", "tp2",
+                       args=["--tensor-parallel-size", "2", *extra],
+                       env={"VLLM_CPU_OMP_THREADS_BIND": bind})
+        for name, extra in VARIANTS.items()}
+    with S.serve_together(tmp_path_factory.mktemp("tp2"), launches) as servers:
+        yield servers
 
 
 @pytest.fixture(scope="module")
@@ -140,11 +95,11 @@ def outputs(tiny_server, tp2_servers) -> dict[str, list[dict]]:
     if tiny_server.attn_impl != "plugin":
         pytest.skip("the session server runs vLLM's layer (VLLM_DSV4_ATTN_IMPL); this test "
                     "compares the plugin's")
-    reqs = make_requests(R.load_serve_config(SERVE_CONFIG).model_path)[:N_REQUESTS]
+    reqs = S.make_requests(R.load_serve_config(S.SERVE_CONFIG).model_path)[:N_REQUESTS]
     out = {"requests": reqs,
-           "tp1": asyncio.run(_run_all(tiny_server.base_url, tiny_server.model, reqs, 1))}
+           "tp1": asyncio.run(S.run_all(tiny_server.base_url, tiny_server.model, reqs, 1))}
     for impl, t in tp2_servers.items():
-        out[f"tp2_{impl}"] = asyncio.run(_run_all(t.base_url, t.model, reqs, 1))
+        out[f"tp2_{impl}"] = asyncio.run(S.run_all(t.base_url, t.model, reqs, 1))
     dump = tp2_servers["plugin"].log.parent / "tp-outputs.json"
     dump.write_text(json.dumps(out))
     for k in ("tp1", *(f"tp2_{name}" for name in VARIANTS)):
@@ -156,38 +111,19 @@ def outputs(tiny_server, tp2_servers) -> dict[str, list[dict]]:
         assert "TP rank 1/2" in t.log.read_text(errors="replace"), f"{impl}: no second rank"
     # Teacher forcing: each prompt + TP 1's continuation, scored by both TP sizes.
     forced = [r["prompt"] + o["token_ids"] for r, o in zip(reqs, out["tp1"])]
-    out["forced_tp1"] = [_prompt_logprobs(tiny_server.base_url, tiny_server.model, ids)
+    out["forced_tp1"] = [S.prompt_logprobs(tiny_server.base_url, tiny_server.model, ids)
                          for ids in forced]
     t2 = tp2_servers["plugin"]
-    out["forced_tp2"] = [_prompt_logprobs(t2.base_url, t2.model, ids) for ids in forced]
+    out["forced_tp2"] = [S.prompt_logprobs(t2.base_url, t2.model, ids) for ids in forced]
     dump.write_text(json.dumps(out))
     return out
-
-
-def _prompt_logprobs(base_url: str, model: str, ids: list[int]) -> list[float]:
-    """Log-probability of every token of ``ids`` given the ones before it (one prefill)."""
-    body = json.dumps({"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
-                       "prompt_logprobs": 1}).encode()
-    req = urllib.request.Request(base_url + "/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        steps = json.loads(r.read())["choices"][0]["prompt_logprobs"]
-    return [step[str(tok)]["logprob"] for step, tok in zip(steps[1:], ids[1:])]
-
-
-def _verdicts(a: list[dict], b: list[dict], reqs: list[dict], **rule) -> dict[str, list[str]]:
-    verdicts: dict[str, list[str]] = {"same": [], "tie": [], "bad": []}
-    for i, (req, x, y) in enumerate(zip(reqs, a, b)):
-        kind, why = compare_outputs(x, y, **rule)
-        verdicts[kind].append(f"#{i} (prompt {len(req['prompt'])}): {why}")
-    return verdicts
 
 
 def test_tp2_plugin_layer_equals_vllm_layer(outputs) -> None:
     """Same partitioning, same all-reduce: the plugin's per-rank attention (4 of 8 heads,
     the rank's sink slice, padding) must give vLLM's own layer's outputs."""
-    v = _verdicts(outputs["tp2_plugin"], outputs["tp2_vllm"], outputs["requests"],
-                  tie_margin=0.0, drift_atol=PARITY_ATOL)
+    v = S.verdicts_by_kind(outputs["tp2_plugin"], outputs["tp2_vllm"], outputs["requests"],
+                           tie_margin=0.0, drift_atol=PARITY_ATOL)
     print(f"TP 2, plugin vs vLLM layer: { {k: len(x) for k, x in v.items()} }; {v}")
     assert not v["bad"] and not v["tie"], f"plugin vs vLLM layer under TP 2: {v}"
 
@@ -198,11 +134,12 @@ def test_seed_command_line_serves_with_expert_parallel(outputs, tp2_servers) -> 
     moe_expert_map patch every request completes (checked by the fixture), in the worker the
     patch is applied, and the outputs are TP 2's up to the reduction order of the experts
     (the same near-tie rule as TP 2 vs TP 1)."""
-    log = tp2_servers["plugin_ep"].log
-    markers = [json.loads(p.read_text()) for p in (log.parent / "markers-plugin_ep").glob("*.json")]
+    marker_dir = tp2_servers["plugin_ep"].marker_dir
+    assert marker_dir is not None
+    markers = [json.loads(p.read_text()) for p in marker_dir.glob("*.json")]
     applied = [a for m in markers for a in m.get("applied", [])]
     assert any("honours expert_map" in str(a) for a in applied), markers
-    v = _verdicts(outputs["tp2_plugin"], outputs["tp2_plugin_ep"], outputs["requests"])
+    v = S.verdicts_by_kind(outputs["tp2_plugin"], outputs["tp2_plugin_ep"], outputs["requests"])
     summary = {k: len(x) for k, x in v.items()}
     print(f"TP 2 + EP vs TP 2 (plugin): {summary}; {v}")
     assert not v["bad"], f"TP 2 + EP differs from TP 2 beyond rounding {summary}: {v['bad']}"
@@ -214,8 +151,8 @@ def test_seed_command_line_serves_with_expert_parallel(outputs, tp2_servers) -> 
 
 
 def test_tp2_greedy_equals_tp1(outputs) -> None:
-    v = _verdicts(outputs["tp1"], outputs["tp2_plugin"], outputs["requests"],
-                  tie_margin=TP_TIE_MARGIN)
+    v = S.verdicts_by_kind(outputs["tp1"], outputs["tp2_plugin"], outputs["requests"],
+                           tie_margin=S.TP_TIE_MARGIN)
     summary = {k: len(x) for k, x in v.items()}
     print(f"TP 1 vs TP 2 (plugin): {summary}; {v}")
     assert not v["bad"], f"TP 2 differs from TP 1 beyond rounding {summary}: {v['bad']}"
@@ -233,4 +170,4 @@ def test_tp2_scores_tp1_tokens_like_tp1(outputs) -> None:
     q = {p: diffs[min(len(diffs) - 1, int(p / 100 * len(diffs)))] for p in (50, 90, 99)}
     print(f"TP 1 vs TP 2 teacher-forced |logprob diff| over {len(diffs)} positions: "
           f"p50 {q[50]:.4f}, p90 {q[90]:.4f}, p99 {q[99]:.4f}, max {diffs[-1]:.4f}")
-    assert q[50] <= FORCED_P50 and q[99] <= FORCED_P99, q
+    assert q[50] <= S.FORCED_P50 and q[99] <= S.FORCED_P99, q

@@ -28,9 +28,8 @@ MODEL = ROOT / "configs" / "tiny-dsv4"
 def _worker(policy: str, out_path: str) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_DSV4_WORKSPACE"] = policy
-    from _helpers import exit_with_report  # tests/vllm: sys.path[0] here (a script)
-
     import vllm_dsv4_backend.layer.core as core
+    from tests.support.vllm_helpers import exit_with_report
 
     devices: list[str] = []
 
@@ -60,7 +59,7 @@ if __name__ == "__main__":
 
 pytest.importorskip("vllm")
 
-from _helpers import run_script_report  # noqa: E402  (tests/vllm is on sys.path)
+from tests.support.vllm_helpers import run_script_report  # noqa: E402
 
 
 def _load(policy: str, tmp_path: Path) -> dict:

@@ -122,8 +122,9 @@ def call(
 class IsaBound(NamedTuple):
     """How far a replay may stray from the recording on a CPU of another matrix ISA.
 
-    (A NamedTuple, not a dataclass: the tests load this file by path, outside
-    ``sys.modules``, where ``@dataclass`` cannot resolve its module.)
+    (A NamedTuple, not a dataclass: ``scripts/record_golden.py`` loads this file by path,
+    outside ``sys.modules``, where ``@dataclass`` cannot resolve its module; the tests
+    import it as ``tests.data.golden.golden_io``.)
     """
 
     max_diff_frac: float  # share of output elements that differ
