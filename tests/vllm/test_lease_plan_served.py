@@ -97,5 +97,5 @@ def test_served_leases_are_the_lease_plan(dtype, tmp_path):
     assert {tuple(t) for t in r["reserved"]} == {(f, v) for _, f, v in planned}
     # The CPU layer leases no scratch: the family is not reserved at all.
     assert "compressor" not in r["per_family"]
-    assert set(r["per_family"]) == {f for f, _ in planned}
+    assert set(r["per_family"]) == {f for _, f, _ in planned}
 
