@@ -53,6 +53,15 @@ def _copy(dst: Path) -> None:
     for d in ("vllm_dsv4_backend", "tools", "tests"):
         shutil.copytree(REPO / d, dst / d, ignore=ignore)
     (dst / "tests" / "data").mkdir(exist_ok=True)
+    # pytest's configuration travels with the copy: without it pytest searches the
+    # folders above the copy for one, and a temporary folder inside a checkout
+    # (TMPDIR there) would put that checkout's package first on sys.path.
+    shutil.copy2(REPO / "pyproject.toml", dst / "pyproject.toml")
+
+
+def _pytest_cmd(py: Path, root: Path, *args: str) -> list[str]:
+    return [str(py), "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+            "-c", str(root / "pyproject.toml"), "--rootdir", str(root), *args]
 
 
 def apply(m: Mutant, root: Path) -> None:
@@ -81,7 +90,7 @@ def check(kind: str, root: Path, stub: Path) -> tuple[bool, str]:
     if what == "pytest":
         py = CUDA_VENV / "bin" / "python" if arg.startswith("tests/cuda") else VENV_PY
         env["PYTHONPATH"] = str(root)
-        cmd = [str(py), "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", arg]
+        cmd = _pytest_cmd(py, root, arg)
     else:
         env["PYTHONPATH"] = f"{stub}{os.pathsep}{root}"
         cmd = [str(VENV_PY), str(root / "tools" / "cuda_graph" / "harness.py"), "--steps", "2",
@@ -95,15 +104,27 @@ def check(kind: str, root: Path, stub: Path) -> tuple[bool, str]:
 
 
 def _imports_copy(root: Path, stub: Path) -> None:
-    """Each interpreter must import the package from the copy, not the checkout."""
-    for py, path in ((VENV_PY, f"{stub}{os.pathsep}{root}"),
-                     (CUDA_VENV / "bin" / "python", str(root))):
-        env = dict(os.environ, PYTHONPATH=path)
-        out = subprocess.run([str(py), "-c", "import vllm_dsv4_backend as p; print(p.__file__)"],
-                             env=env, capture_output=True, text=True, cwd=root)
-        if not out.stdout.strip().startswith(str(root)):
-            raise SystemExit(f"mutants: {py} imports {out.stdout.strip() or out.stderr[-300:]},"
-                             f" not the copy under {root}")
+    """Each interpreter, bare and under pytest as the checks run it, must import the
+    package from the copy, not the checkout."""
+    probe = root / "tests" / "test_mutant_probe.py"
+    probe.write_text("import vllm_dsv4_backend as p\n\n\ndef test_copy():\n"
+                     f"    assert p.__file__.startswith({str(root)!r}), p.__file__\n")
+    try:
+        for py, path in ((VENV_PY, f"{stub}{os.pathsep}{root}"),
+                         (CUDA_VENV / "bin" / "python", str(root))):
+            env = dict(os.environ, PYTHONPATH=path)
+            out = subprocess.run(
+                [str(py), "-c", "import vllm_dsv4_backend as p; print(p.__file__)"],
+                env=env, capture_output=True, text=True, cwd=root)
+            if not out.stdout.strip().startswith(str(root)):
+                raise SystemExit(f"mutants: {py} imports {out.stdout.strip() or out.stderr[-300:]},"
+                                 f" not the copy under {root}")
+            rc, tail = _run(_pytest_cmd(py, root, str(probe)), env, root)
+            if rc != 0:
+                raise SystemExit(f"mutants: pytest under {py} does not import the copy under "
+                                 f"{root}:\n{tail}")
+    finally:
+        probe.unlink()
 
 
 def build_stub(tmp: Path) -> Path:
