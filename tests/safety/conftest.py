@@ -46,6 +46,7 @@ import pytest
 
 from tests.support import worker_env
 from tests.support.safety import ITEMS, ROOT, engine_spec, full_mode
+from tests.support.served import omp_threads
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -167,7 +168,10 @@ def engine_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     env.pop("VLLM_DSV4_WORKSPACE_DEBUG", None)
     procs = {}
     t0 = time.monotonic()
-    for name, spec in zip(("plugin", "vllm"), engine_spec(full)):
+    specs = engine_spec(full)
+    # The two workers' engines run at the same time: each gets its share of the CPUs.
+    env["OMP_NUM_THREADS"] = omp_threads(len(specs))
+    for name, spec in zip(("plugin", "vllm"), specs):
         (d / f"{name}.json").write_text(json.dumps(spec))
         log = open(d / f"{name}.log", "w")  # noqa: SIM115  (closed below)
         procs[name] = (subprocess.Popen(

@@ -8,10 +8,11 @@ memory another was still reading, which showed up only under concurrent mixed
 prefill and decode traffic as garbled output.
 
 Against the tiny model served by real vLLM with the plugin's attention layer,
-once per workspace policy (``VLLM_DSV4_WORKSPACE=shared|private`` at server
-start; the session's ``tiny_server`` is reused when it has that setup), as
-``shared`` with debug poisoning, and, with ``DSV4_FULL_LOAD=1``, as ``shared`` with
-the test-only fence switch off (``VLLM_DSV4_TEST_UNSAFE_NO_FENCES=1``):
+as ``shared`` with debug poisoning and as ``private`` (``VLLM_DSV4_WORKSPACE`` at
+server start), and, with ``DSV4_FULL_LOAD=1``, as plain ``shared`` (the session's
+``tiny_server`` is reused when it has that setup; the debug run is the same execution
+plus poisoning, so the plain one repeats it) and as ``shared`` with the test-only fence
+switch off (``VLLM_DSV4_TEST_UNSAFE_NO_FENCES=1``):
 
 1. 64 completions at concurrency 16, prompts of 1..600 tokens (token ids, so
    lengths are exact; log-uniform, see make_requests), 8..16 new tokens each,
@@ -73,18 +74,25 @@ MAX_TIES = N_REQUESTS * 3 // 8  # ties beyond this are not rounding any more
 IMPL = "plugin"
 
 # On CPU the no-fence server is, by construction, the shared one's execution (one
-# stream: no fence ever waits, see _check_workspace_counters), so it repeats that run;
-# DSV4_FULL_LOAD=1 (read only here) runs it too. The switch's wiring is checked without a
+# stream: no fence ever waits, see _check_workspace_counters), and the plain shared one
+# is the debug one's execution without the poisoning, so both repeat a run;
+# DSV4_FULL_LOAD=1 (read only here) runs them too. The switch's wiring is checked without a
 # server (tests/core/test_settings.py, test_stream_schedule.py), fences across streams by
 # the simulated schedules and tests/gpu.
 FULL_LOAD = os.environ.get("DSV4_FULL_LOAD", "") not in ("", "0")
 
 
+def _full_load_only(name: str, why: str):
+    return pytest.param(name, marks=pytest.mark.skipif(
+        not FULL_LOAD, reason=f"{why}; DSV4_FULL_LOAD=1 runs it"))
+
+
 @pytest.fixture(scope="module",
-                params=["shared", "private",
-                        pytest.param("shared-nofence", marks=pytest.mark.skipif(
-                            not FULL_LOAD, reason="on CPU the same execution as shared "
-                            "(one stream, no fence waits); DSV4_FULL_LOAD=1 runs it")),
+                params=[_full_load_only("shared", "shared-debug's execution without the "
+                                        "poisoning"),
+                        "private",
+                        _full_load_only("shared-nofence", "on CPU the same execution as "
+                                        "shared (one stream, no fence waits)"),
                         "shared-debug"])
 def served(request, tmp_path_factory) -> Iterator[Target]:
     """One server per workspace policy (pytest finishes one param before the next).

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Mutation runner: every mutant of ``mutants.py`` must be killed.
 
-    .venv/bin/python tools/mutants/run.py [--only NAME,...] [--json FILE] [--full]
+    .venv/bin/python tools/mutants/run.py [--only NAME,...] [--json FILE] [--full] [--jobs N]
 
 For each mutant: copy the package, ``tools/`` and ``tests/`` into a
 temporary folder, apply the one edit there (the working tree is never
@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from mutants import MUTANTS, Mutant
@@ -139,12 +140,38 @@ def build_stub(tmp: Path) -> Path:
     return stub
 
 
+def _run_mutant(m: Mutant, tmp: Path, stub: Path, full: bool) -> dict:
+    """Apply ``m`` to its own copy under ``tmp`` and run checks until one kills it."""
+    root = tmp / m.name
+    _copy(root)
+    apply(m, root)
+    order = [m.hint] + [c for c in CHECKS if c != m.hint]
+    killed_by: list[str] = []
+    tail = ""
+    t = time.time()
+    for c in order:
+        killed, out = check(c, root, stub)
+        if killed:
+            killed_by.append(c)
+            tail = out
+            if not full:
+                break
+        elif c == m.hint:
+            tail = f"(hint {c} did not kill it)"
+    shutil.rmtree(root, ignore_errors=True)
+    return {"mutant": m.name, "bug_class": m.bug_class, "file": m.path,
+            "killed": bool(killed_by), "killed_by": killed_by,
+            "seconds": round(time.time() - t, 1), "evidence": tail[-600:]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", help="comma-separated mutant names")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--full", action="store_true",
                     help="run every check for every mutant (which checks kill which)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="mutants checked at once, each on its own copy (default 1)")
     args = ap.parse_args(argv)
     if not (CUDA_VENV / "bin" / "python").exists() or not VENV_PY.exists():
         print("mutants: needs .venv and .venv-vllm034 (bash scripts/setup_vllm_cuda.sh 0.34)")
@@ -155,32 +182,19 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="dsv4-mutants-") as tmp_s:
         tmp = Path(tmp_s)
         stub = build_stub(tmp)
-        for m in chosen:
-            root = tmp / m.name
-            _copy(root)
-            apply(m, root)
-            if not results:
-                _imports_copy(root, stub)
-            order = [m.hint] + [c for c in CHECKS if c != m.hint]
-            killed_by: list[str] = []
-            tail = ""
-            t = time.time()
-            for c in order:
-                killed, out = check(c, root, stub)
-                if killed:
-                    killed_by.append(c)
-                    tail = out
-                    if not args.full:
-                        break
-                elif c == m.hint:
-                    tail = f"(hint {c} did not kill it)"
-            results.append({"mutant": m.name, "bug_class": m.bug_class, "file": m.path,
-                            "killed": bool(killed_by), "killed_by": killed_by,
-                            "seconds": round(time.time() - t, 1),
-                            "evidence": tail[-600:]})
-            print(f"[mutant] {m.name:42s} {'KILLED' if killed_by else 'SURVIVED'} "
-                  f"by {', '.join(killed_by) or '-'} ({results[-1]['seconds']} s)", flush=True)
-            shutil.rmtree(root, ignore_errors=True)
+        probe = tmp / "probe"
+        _copy(probe)
+        _imports_copy(probe, stub)
+        shutil.rmtree(probe, ignore_errors=True)
+        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            futures = [pool.submit(_run_mutant, m, tmp, stub, args.full) for m in chosen]
+            for fut in as_completed(futures):
+                r = fut.result()
+                results.append(r)
+                print(f"[mutant] {r['mutant']:42s} {'KILLED' if r['killed'] else 'SURVIVED'} "
+                      f"by {', '.join(r['killed_by']) or '-'} ({r['seconds']} s)", flush=True)
+    order = {m.name: i for i, m in enumerate(chosen)}
+    results.sort(key=lambda r: order[r["mutant"]])
     killed = sum(r["killed"] for r in results)
     score = 100.0 * killed / len(results) if results else 0.0
     print(f"mutation score: {killed}/{len(results)} killed ({score:.0f} %) in "
