@@ -6,11 +6,12 @@
 # Without arguments it runs, in order: every directory but tests/core; tests/core with
 # `import vllm` blocked (vllm_dsv4_backend/testing/no_vllm.py: the proof that core is
 # torch-only, and core's only run: with vLLM importable it runs the same tests);
-# tests/cuda in the vLLM 0.33 and 0.34 venvs, the two at once, one thread each (the
-# CUDA-graph harness is one Python thread); the lifetime mutation suite, two mutants at
-# once. The script fails if any run fails (the first run's exit code wins). The main run
-# prints its 25 slowest tests (--durations): a measurement for the CI time budget, never
-# a check. The slow, repeating variants are behind the switches of docs/usage.md.
+# tests/cuda in the vLLM 0.33 and 0.34 venvs (built in the background during the main
+# run), the two at once, one thread each (the CUDA-graph harness is one Python thread);
+# the lifetime mutation suite, two mutants at once. The script fails if any run fails
+# (the first run's exit code wins). The main run prints its 25 slowest tests
+# (--durations): a measurement for the CI time budget, never a check. The slow,
+# repeating variants are behind the switches of docs/usage.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -18,22 +19,26 @@ source scripts/env.sh
 if [ $# -gt 0 ]; then
   exec .venv/bin/python -m pytest -ra "$@"
 fi
+logs="$DSV4_SCRATCH/test-logs"
+mkdir -p "$logs"
+# tests/cuda: vLLM 0.33's and 0.34's real CUDA classes imported on CPU, each in
+# its own venv (.venv-vllm033 / .venv-vllm034, built when missing by
+# scripts/setup_vllm_cuda.sh; no CUDA kernel runs). The venvs are built in the
+# background while the main run goes (mostly downloads and unpacking); both suites
+# then run at once, and each prints when it is done.
+( for minor in 0.33 0.34; do bash scripts/setup_vllm_cuda.sh "$minor" || exit 1; done ) \
+  > "$logs/setup-cuda.log" 2>&1 &
+setup_pid=$!
 rc=0
 .venv/bin/python -m pytest -ra --durations=25 tests --ignore=tests/core || rc=$?
 core_rc=0
 echo "== tests/core with import vllm blocked (DSV4_CORE_NO_VLLM=1)"
 DSV4_CORE_NO_VLLM=1 .venv/bin/python -m pytest -ra -p vllm_dsv4_backend.testing.no_vllm tests/core \
   || core_rc=$?
-# tests/cuda: vLLM 0.33's and 0.34's real CUDA classes imported on CPU, each in
-# its own venv (.venv-vllm033 / .venv-vllm034, built when missing by
-# scripts/setup_vllm_cuda.sh; no CUDA kernel runs). The venvs are built one after the
-# other, then both suites run at once; each prints when it is done.
 cuda_rc=0
-for minor in 0.33 0.34; do
-  bash scripts/setup_vllm_cuda.sh "$minor" || cuda_rc=$?
-done
-logs="$DSV4_SCRATCH/test-logs"
-mkdir -p "$logs"
+echo "== the vLLM 0.33 and 0.34 venvs (built in the background; $logs/setup-cuda.log)"
+wait "$setup_pid" || cuda_rc=$?
+cat "$logs/setup-cuda.log"
 pids=()
 for minor in 0.33 0.34; do
   OMP_NUM_THREADS=1 ".venv-vllm${minor/./}/bin/python" -m pytest -ra tests/cuda \

@@ -5,8 +5,8 @@
 The tiny DeepSeek-V4 (configs/tiny-dsv4, ``--load-format dummy`` with its seeded
 weights, fp8 KV cache, eager) served by the plugin's layer in a real vLLM engine, once
 per workspace policy: ``off`` (every buffer a fresh allocation: the baseline),
-``shared`` (the layers take the same slots in turn) and, in the full run
-(``DSV4_SAFETY_FULL=1``), ``private``. Prompts of
+``shared`` (the layers take the same slots in turn) and ``private`` (one set of
+buffers per layer). Prompts of
 1, 17, 130, 520, 1100 and 2100 tokens (beyond the 128-token window, C128 entries
 visible, and beyond 4 x index_topk = 2048, where the lightning indexer's real top-k
 runs), one request at a time, 16 greedy tokens, top-20 logprobs.
@@ -50,7 +50,6 @@ def test_shared_and_private_are_bitwise_the_baseline(engine_runs, figures):
     # informative outputs (seeded fan-in weights), all finite
     assert all(math.isfinite(v) for o in ref for s in o["top"] for v in s.values())
     assert max(ref[0]["top"][0].values()) > -5.0
-    # private is in the full run (DSV4_SAFETY_FULL=1) only.
     compared = [n for n in ("shared", "private", *EXTRA_PARITY_VARIANTS) if n in engine_runs]
     results = {}
     for name in compared:

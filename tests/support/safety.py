@@ -82,9 +82,8 @@ def engine_spec(full: bool) -> tuple[dict[str, Any], dict[str, Any]]:
         "shared": {"env": {**plugin, "VLLM_DSV4_WORKSPACE": "shared"},
                    "runs": timed_runs, "time_workspace": True},
     }
-    if full:
-        variants["private"] = {"env": {**plugin, "VLLM_DSV4_WORKSPACE": "private"},
-                               "runs": [["parity", 1]]}
+    variants["private"] = {"env": {**plugin, "VLLM_DSV4_WORKSPACE": "private"},
+                           "runs": [["parity", 1]]}
     variants |= {
         "shared_debug": {"env": {**plugin, "VLLM_DSV4_WORKSPACE": "shared",
                                  "VLLM_DSV4_WORKSPACE_DEBUG": "1"},

@@ -218,9 +218,9 @@ def bind_list(n: int) -> str | None:
 
 def omp_threads(n: int) -> str:
     """``OMP_NUM_THREADS`` for each of ``n`` in-process engines run at once: this process's
-    CPUs shared out (at least 1). Their default, every CPU each, oversubscribes the cores:
-    two tiny-model engines at once on 2 CPUs took 86 s each for a run one takes 16 s for
-    alone, 28 s each with one thread each (2026-12-04, AVX2 EPYC)."""
+    CPUs shared out (at least 1). Their default, every CPU each, oversubscribes the cores
+    and each engine runs several times slower than its share (docs/benchmarks.md,
+    "The test suite's time")."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return str(max(1, (cpus or 1) // n))
 

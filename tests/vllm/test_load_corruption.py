@@ -8,11 +8,12 @@ memory another was still reading, which showed up only under concurrent mixed
 prefill and decode traffic as garbled output.
 
 Against the tiny model served by real vLLM with the plugin's attention layer,
-as ``shared`` with debug poisoning and as ``private`` (``VLLM_DSV4_WORKSPACE`` at
-server start), and, with ``DSV4_FULL_LOAD=1``, as plain ``shared`` (the session's
-``tiny_server`` is reused when it has that setup; the debug run is the same execution
-plus poisoning, so the plain one repeats it) and as ``shared`` with the test-only fence
-switch off (``VLLM_DSV4_TEST_UNSAFE_NO_FENCES=1``):
+as ``shared`` with debug poisoning (``VLLM_DSV4_WORKSPACE`` at server start), and, with
+``DSV4_FULL_LOAD=1``, as plain ``shared`` (the session's ``tiny_server`` is reused when it
+has that setup; the debug run is the same execution plus poisoning, so the plain one
+repeats it), as ``private`` (one set of buffers per layer, nothing shared; every run's
+safety parity, tests/safety/test_1_parity.py, holds it bitwise to ``off``) and as
+``shared`` with the test-only fence switch off (``VLLM_DSV4_TEST_UNSAFE_NO_FENCES=1``):
 
 1. 64 completions at concurrency 16, prompts of 1..600 tokens (token ids, so
    lengths are exact; log-uniform, see make_requests), 8..16 new tokens each,
@@ -90,7 +91,8 @@ def _full_load_only(name: str, why: str):
 @pytest.fixture(scope="module",
                 params=[_full_load_only("shared", "shared-debug's execution without the "
                                         "poisoning"),
-                        "private",
+                        _full_load_only("private", "nothing shared; bitwise off in "
+                                        "tests/safety/test_1_parity.py"),
                         _full_load_only("shared-nofence", "on CPU the same execution as "
                                         "shared (one stream, no fence waits)"),
                         "shared-debug"])

@@ -27,6 +27,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from tests.support import served as S  # noqa: E402
 from tests.support import worker_env  # noqa: E402
 from tests.support.vllm_helpers import TINY_ENGINE  # noqa: E402
 
@@ -119,18 +120,42 @@ def parity_runs(tmp_path_factory):
         },
     }
     d = tmp_path_factory.mktemp("parity")
-    (d / "spec.json").write_text(json.dumps(spec))
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("parity_worker.py")),
-         str(d / "spec.json"), str(d / "out.json")],
-        capture_output=True, text=True, timeout=1800,
-        # A 2k-token prefill on a loaded 2-core box can exceed vLLM's 300 s step limit.
-        env=worker_env({**os.environ, "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "1500"}),
-    )
-    if proc.returncode != 0:
-        pytest.fail(f"parity worker failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                    f"{proc.stderr[-6000:]}")
-    return json.loads((d / "out.json").read_text())
+    # Two workers at once, each on its own half of the CPUs (vLLM binds each engine's
+    # threads there; one thread per engine on 2 CPUs, as a lone engine's automatic
+    # binding gives it): the variants of each exact comparison share a worker.
+    groups = [("vllm", "plugin", "plugin_kv_auto"),
+              ("plugin_sink_perturbed", "plugin_mxfp4_indexer", "plugin_torch_mla")]
+    bind = S.bind_list(2)
+    binds: list[str | None] = bind.split("|") if bind else [None]
+    if bind is None:
+        groups = [tuple(v for g in groups for v in g)]
+    procs = []
+    for i, (group, bind) in enumerate(zip(groups, binds, strict=True)):
+        part = {**spec, "variants": {v: spec["variants"][v] for v in group}}
+        (d / f"spec{i}.json").write_text(json.dumps(part))
+        env = {**os.environ, "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "1500"}
+        if bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        procs.append(subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("parity_worker.py")),
+             str(d / f"spec{i}.json"), str(d / f"out{i}.json")],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            # A 2k-token prefill on a loaded 2-core box can exceed vLLM's 300 s step limit.
+            env=worker_env(env)))
+    runs: dict = {}
+    try:
+        for i, proc in enumerate(procs):
+            out, _ = proc.communicate(timeout=1800)
+            if proc.returncode != 0:
+                pytest.fail(f"parity worker {i} failed (rc {proc.returncode}):\n{out[-6000:]}")
+            runs.update(json.loads((d / f"out{i}.json").read_text()))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert set(runs) == set(spec["variants"])
+    return runs
 
 
 def test_plugin_matches_vllm_cpu_attention(parity_runs):
