@@ -220,7 +220,7 @@ def omp_threads(n: int) -> str:
     """``OMP_NUM_THREADS`` for each of ``n`` in-process engines run at once: this process's
     CPUs shared out (at least 1). Their default, every CPU each, oversubscribes the cores
     and each engine runs several times slower than its share (docs/benchmarks.md,
-    "The test suite's time")."""
+    results: "the test suite")."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return str(max(1, (cpus or 1) // n))
 
