@@ -206,10 +206,15 @@ FORCED_P99 = 0.75
 TP_TIE_MARGIN = 2 * FORCED_P99
 
 
+def _cpus() -> list[int]:
+    """This process's CPUs (empty where the platform cannot say)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
 def bind_list(n: int) -> str | None:
     """``VLLM_CPU_OMP_THREADS_BIND`` for ``n`` ranks: this process's CPUs in ``n`` equal
     groups (None with fewer than ``n`` CPUs)."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    cpus = _cpus()
     if len(cpus) < n:
         return None
     per = len(cpus) // n
@@ -221,8 +226,7 @@ def omp_threads(n: int) -> str:
     CPUs shared out (at least 1). Their default, every CPU each, oversubscribes the cores
     and each engine runs several times slower than its share (docs/benchmarks.md,
     results: "the test suite")."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return str(max(1, (cpus or 1) // n))
+    return str(max(1, (len(_cpus()) or os.cpu_count() or 1) // n))
 
 
 def prompt_logprobs(base_url: str, model: str, ids: list[int]) -> list[float]:
