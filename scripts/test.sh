@@ -24,9 +24,10 @@ mkdir -p "$logs"
 # tests/cuda: vLLM 0.33's and 0.34's real CUDA classes imported on CPU, each in
 # its own venv (.venv-vllm033 / .venv-vllm034, built when missing by
 # scripts/setup_vllm_cuda.sh; no CUDA kernel runs). The venvs are built in the
-# background while the main run goes (mostly downloads and unpacking); both suites
-# then run at once, and each prints when it is done.
-( for minor in 0.33 0.34; do bash scripts/setup_vllm_cuda.sh "$minor" || exit 1; done ) \
+# background while the main run goes (mostly downloads and unpacking, at a low CPU
+# priority: the main run's engines come first); both suites then run at once, and
+# each prints when it is done.
+( for minor in 0.33 0.34; do nice -n 15 bash scripts/setup_vllm_cuda.sh "$minor" || exit 1; done ) \
   > "$logs/setup-cuda.log" 2>&1 &
 setup_pid=$!
 rc=0

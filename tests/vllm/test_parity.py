@@ -130,23 +130,28 @@ def parity_runs(tmp_path_factory):
     if bind is None:
         groups = [tuple(v for g in groups for v in g)]
     procs = []
+    logs = []
     for i, (group, bind) in enumerate(zip(groups, binds, strict=True)):
         part = {**spec, "variants": {v: spec["variants"][v] for v in group}}
         (d / f"spec{i}.json").write_text(json.dumps(part))
         env = {**os.environ, "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "1500"}
         if bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        # A log file, not a pipe: a pipe read only after the other worker ends would
+        # stall this one once its engine logs fill the pipe's buffer.
+        logs.append(open(d / f"worker{i}.log", "w"))  # noqa: SIM115  (closed below)
         procs.append(subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("parity_worker.py")),
              str(d / f"spec{i}.json"), str(d / f"out{i}.json")],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            stdout=logs[-1], stderr=subprocess.STDOUT,
             # A 2k-token prefill on a loaded 2-core box can exceed vLLM's 300 s step limit.
             env=worker_env(env)))
     runs: dict = {}
     try:
         for i, proc in enumerate(procs):
-            out, _ = proc.communicate(timeout=1800)
+            proc.wait(timeout=1800)
             if proc.returncode != 0:
+                out = (d / f"worker{i}.log").read_text(errors="replace")
                 pytest.fail(f"parity worker {i} failed (rc {proc.returncode}):\n{out[-6000:]}")
             runs.update(json.loads((d / f"out{i}.json").read_text()))
     finally:
@@ -154,6 +159,8 @@ def parity_runs(tmp_path_factory):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        for log in logs:
+            log.close()
     assert set(runs) == set(spec["variants"])
     return runs
 
