@@ -27,15 +27,12 @@ import pytest
 from vllm_dsv4_backend.formats import constants
 from vllm_dsv4_backend.layer import core, plan
 from vllm_dsv4_backend.layer import sizing as layer_sizing
-from vllm_dsv4_backend.testing.schedule import WIDE_PLAN
+from vllm_dsv4_backend.testing.schedule import EVERY_FAMILY_PLAN
 from vllm_dsv4_backend.workspace import sizing
 
 PACKAGE = Path(__file__).resolve().parents[2] / "vllm_dsv4_backend"
 WORKSPACE = PACKAGE / "workspace"
 FAMILIES = ("q", "indexer_q", "topk", "compressor")
-# The sizing before lease plans: every family each kind can use, every view,
-# the padded q as the q family (now only as an explicit plan).
-EVERY_FAMILY_PLAN = {kind: {**fams, "q": ("q",)} for kind, fams in WIDE_PLAN.items()}
 
 
 def _vllm_config(dtype: str = "fp8", ubatching: bool = False, hf=None) -> SimpleNamespace:

@@ -32,7 +32,7 @@ from vllm_dsv4_backend.layer.sizing import (
     memory_table,
     pool49236_bytes,
 )
-from vllm_dsv4_backend.testing.schedule import WIDE_PLAN
+from vllm_dsv4_backend.testing.schedule import EVERY_FAMILY_PLAN, WIDE_PLAN
 from vllm_dsv4_backend.workspace import (
     BufferSpec,
     FamilySpec,
@@ -51,11 +51,7 @@ from vllm_dsv4_backend.workspace.sizing import MIB, Layout, Slot
 FLASH_RATIOS = (0, 0) + (4, 128) * 20 + (4,)
 FAMILIES = ("q", "indexer_q", "topk", "compressor")
 
-# Every family each layer kind can use (C4's compressor scratch included) and
-# every view, with the padded q as the q family: what sizing reserved before
-# lease plans (include_q, no attention output), now an explicit plan.
-EVERY_FAMILY_PLAN = {kind: {**fams, "q": ("q",)} for kind, fams in WIDE_PLAN.items()}
-# The same with the attention output beside the padded q (include_attn_out).
+# EVERY_FAMILY_PLAN with the attention output beside the padded q (include_attn_out).
 WITH_ATTN_OUT_PLAN = {kind: {**fams, "q": ("q", "out")} for kind, fams in WIDE_PLAN.items()}
 
 

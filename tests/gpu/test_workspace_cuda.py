@@ -23,8 +23,8 @@ from vllm_dsv4_backend.layer.plan import (
     dims_from_hf_config,
 )
 from vllm_dsv4_backend.testing.schedule import (
+    EVERY_FAMILY_PLAN,
     STREAM_ROLES,
-    WIDE_PLAN,
     StampKernels,
     enqueue_dsv4_step,
     make_stamp_source,
@@ -47,9 +47,6 @@ FLASH_RATIOS = (0, 0) + (4, 128) * 20 + (4,)
 # must be behind, or an unfenced producer is only enqueued after the consumer finished.
 # At 200_000 (~0.1 ms) no unfenced producer ever overtook on an H200 (2026-12-04).
 SLEEP_CYCLES = 4_000_000
-# Every family each layer kind can use (C4's compressor scratch too), every
-# view, the padded q as the q family (the sizing before lease plans).
-EVERY_FAMILY_PLAN = {kind: {**fams, "q": ("q",)} for kind, fams in WIDE_PLAN.items()}
 
 
 def flash_config(tokens: int = 64, indexer: str = "mxfp4", num_ubatches: int = 2
