@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,9 +42,9 @@ from typing import Any
 
 import pytest
 
-from tests.support import worker_env
-from tests.support.safety import ITEMS, ROOT, engine_spec, full_mode
+from tests.support.safety import ITEMS, engine_spec, full_mode
 from tests.support.served import omp_threads
+from tests.support.vllm_helpers import run_workers_at_once
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -161,36 +159,17 @@ def engine_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
         yield merged
         return
     d = tmp_path_factory.mktemp("safety-engines")
-    worker = Path(__file__).with_name("engine_worker.py")
-    env = worker_env({**os.environ, "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "1500",
-                      "PYTHONUNBUFFERED": "1"})
+    env = {**os.environ, "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "1500",
+           "PYTHONUNBUFFERED": "1"}
     env.pop("VLLM_DSV4_WORKSPACE", None)
     env.pop("VLLM_DSV4_WORKSPACE_DEBUG", None)
-    procs = {}
     t0 = time.monotonic()
     specs = engine_spec(full)
     # The two workers' engines run at the same time: each gets its share of the CPUs.
     env["OMP_NUM_THREADS"] = omp_threads(len(specs))
-    for name, spec in zip(("plugin", "vllm"), specs):
-        (d / f"{name}.json").write_text(json.dumps(spec))
-        log = open(d / f"{name}.log", "w")  # noqa: SIM115  (closed below)
-        procs[name] = (subprocess.Popen(
-            [sys.executable, str(worker), str(d / f"{name}.json"), str(d / f"{name}-out.json")],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log)
-    merged: dict[str, Any] = {}
-    try:
-        for name, (proc, log) in procs.items():
-            rc = proc.wait(timeout=2400)
-            log.close()
-            if rc != 0 or not (d / f"{name}-out.json").exists():
-                tail = (d / f"{name}.log").read_text(errors="replace")[-6000:]
-                pytest.fail(f"safety engine worker {name} failed (rc {rc}):\n{tail}")
-            merged.update(json.loads((d / f"{name}-out.json").read_text()))
-    finally:
-        for proc, log in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
+    reports = run_workers_at_once(Path(__file__).with_name("engine_worker.py"),
+                                  dict(zip(("plugin", "vllm"), specs, strict=True)), d,
+                                  {"plugin": env, "vllm": env}, timeout=2400)
+    merged: dict[str, Any] = {k: v for r in reports.values() for k, v in r.items()}
     merged["_meta"] = {"wall_s": time.monotonic() - t0, "full": full, "dir": str(d)}
     yield merged

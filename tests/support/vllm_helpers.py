@@ -126,6 +126,42 @@ def run_script_report(script: str | Path, args: Sequence[str], out: Path, timeou
     return json.loads(out.read_text())
 
 
+def run_workers_at_once(script: str | Path, specs: Mapping[str, Any], d: Path,
+                        envs: Mapping[str, Mapping[str, str]], timeout: float) -> dict[str, dict]:
+    """Run ``python script <d>/<name>.json <d>/<name>-out.json`` for every ``name, spec``
+    of ``specs`` at the same time (cwd: the repository root; env: ``envs[name]`` through
+    :func:`tests.support.worker_env`) and return ``{name: report}``. Each worker's output
+    goes to ``<d>/<name>.log``, a file, not a pipe: a pipe read only after another worker
+    ends would stall this one once its engine logs fill the pipe's buffer. A worker that
+    exits non-zero or writes no report fails the test with its log's tail; all are killed
+    on the way out."""
+    procs: dict[str, tuple[subprocess.Popen, Any]] = {}
+    try:
+        for name, spec in specs.items():
+            (d / f"{name}.json").write_text(json.dumps(spec))
+            log = open(d / f"{name}.log", "w")  # noqa: SIM115  (closed below)
+            procs[name] = (subprocess.Popen(
+                [sys.executable, str(script), str(d / f"{name}.json"),
+                 str(d / f"{name}-out.json")],
+                cwd=ROOT, env=worker_env(envs[name]), stdout=log,
+                stderr=subprocess.STDOUT), log)
+        reports = {}
+        for name, (proc, _) in procs.items():
+            rc = proc.wait(timeout=timeout)
+            out = d / f"{name}-out.json"
+            if rc != 0 or not out.exists():
+                tail = (d / f"{name}.log").read_text(errors="replace")[-6000:]
+                pytest.fail(f"worker {name} ({Path(script).name}) failed (rc {rc}):\n{tail}")
+            reports[name] = json.loads(out.read_text())
+        return reports
+    finally:
+        for proc, log in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+
+
 def exit_with_report(out_path: str | Path, report: dict) -> None:
     """End a worker script: write ``report`` as JSON to ``out_path`` (what
     :func:`run_script_report` returns), flush stdout and exit 0 at once, skipping the

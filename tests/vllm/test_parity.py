@@ -19,8 +19,6 @@ negative control (layer 0's sink shifted) must fail both comparisons.
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,8 +26,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from tests.support import served as S  # noqa: E402
-from tests.support import worker_env  # noqa: E402
-from tests.support.vllm_helpers import TINY_ENGINE  # noqa: E402
+from tests.support.vllm_helpers import TINY_ENGINE, run_workers_at_once  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "configs" / "tiny-dsv4"
@@ -129,38 +126,18 @@ def parity_runs(tmp_path_factory):
     binds: list[str | None] = bind.split("|") if bind else [None]
     if bind is None:
         groups = [tuple(v for g in groups for v in g)]
-    procs = []
-    logs = []
-    for i, (group, bind) in enumerate(zip(groups, binds, strict=True)):
-        part = {**spec, "variants": {v: spec["variants"][v] for v in group}}
-        (d / f"spec{i}.json").write_text(json.dumps(part))
+    envs = {}
+    for i, bind in enumerate(binds):
+        # A 2k-token prefill on a loaded 2-core box can exceed vLLM's 300 s step limit.
         env = {**os.environ, "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "1500"}
         if bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = bind
-        # A log file, not a pipe: a pipe read only after the other worker ends would
-        # stall this one once its engine logs fill the pipe's buffer.
-        logs.append(open(d / f"worker{i}.log", "w"))  # noqa: SIM115  (closed below)
-        procs.append(subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("parity_worker.py")),
-             str(d / f"spec{i}.json"), str(d / f"out{i}.json")],
-            stdout=logs[-1], stderr=subprocess.STDOUT,
-            # A 2k-token prefill on a loaded 2-core box can exceed vLLM's 300 s step limit.
-            env=worker_env(env)))
-    runs: dict = {}
-    try:
-        for i, proc in enumerate(procs):
-            proc.wait(timeout=1800)
-            if proc.returncode != 0:
-                out = (d / f"worker{i}.log").read_text(errors="replace")
-                pytest.fail(f"parity worker {i} failed (rc {proc.returncode}):\n{out[-6000:]}")
-            runs.update(json.loads((d / f"out{i}.json").read_text()))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for log in logs:
-            log.close()
+        envs[f"worker{i}"] = env
+    parts = {f"worker{i}": {**spec, "variants": {v: spec["variants"][v] for v in group}}
+             for i, group in enumerate(groups)}
+    reports = run_workers_at_once(Path(__file__).with_name("parity_worker.py"), parts, d,
+                                  envs, timeout=1800)
+    runs = {k: v for r in reports.values() for k, v in r.items()}
     assert set(runs) == set(spec["variants"])
     return runs
 
