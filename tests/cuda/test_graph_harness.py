@@ -89,8 +89,36 @@ def test_harness_cpu_modes_bitwise_and_controls(harness_report: tuple[str, dict]
     assert controls["no_fence_schedule_cpu"]["detected"] is True
 
 
+# Every kernel object the adapter calls, with the FP8 indexer and the Triton or
+# the CuTe DSL dispatch (sim-eager-cutedsl).
+ADAPTER_KERNELS = {"_COMPUTE_GLOBAL_TOPK_INDICES_AND_LENS_KERNEL",
+                   "_SPARSE_ATTN_COMPRESS_C128_BLOCK8_KERNEL",
+                   "_SPARSE_ATTN_NORM_ROPE_STORE_KERNEL", "flash_mla_with_kvcache"}
+
+
+def test_adapter_calls_equal_vllm_layer_calls(harness_report: tuple[str, dict]) -> None:
+    """The plugin's layer runs the adapter serving runs (``VllmCudaKernels``)
+    against recording stand-ins of vLLM's kernel objects bound to the real
+    signatures; per mode, its calls equal vLLM's layer's: the same kernels, order,
+    streams and tensor metadata, but for the workspace's storages."""
+    _, report = harness_report
+    both = report["contract"]
+    # Every mode both layers ran (private runs the plugin's only).
+    assert set(both) == {m for m, e in report["modes"].items() if "vllm" in e}
+    assert {"eager", "sim-eager", "sim-eager-cutedsl", "sim-piecewise", "sim-full"} <= set(both)
+    for name, c in both.items():
+        assert c["diff"] == [], (name, c["diff"])
+        n_plugin, n_vllm = c["kernel_calls"]
+        assert n_plugin == n_vllm > 0, name
+        assert set(c["kernels"]) >= ADAPTER_KERNELS, name
+    assert "_FUSED_INDEXER_Q_ROPE_QUANT_TRITON_KERNEL" in both["sim-eager"]["kernels"]
+    assert "_INDEXER_Q_FP8_KERNEL" in both["sim-eager-cutedsl"]["kernels"]
+
+
+
 SIM_MODES = ("sim-eager", "sim-eager-lazy", "sim-eager-random", "sim-eager-yield",
-             "sim-eager-debug", "sim-private", "sim-piecewise", "sim-piecewise-debug",
+             "sim-eager-debug", "sim-eager-cutedsl", "sim-private", "sim-piecewise",
+             "sim-piecewise-debug",
              "sim-piecewise-gemm0", "sim-full", "sim-stage")
 
 

@@ -68,7 +68,15 @@ FLASHMLA = "vllm/models/deepseek_v4/nvidia/flashmla.py"
 MSU = "vllm/utils/multi_stream_utils.py"
 BCG = "vllm/compilation/breakable_cudagraph.py"
 UBATCH = "vllm/v1/worker/ubatching.py"
-NEEDED = (ATTN, COMP, FLASHMLA, MSU, BCG, UBATCH, "vllm/version.py", "vllm/_version.py")
+# The kernel wrappers both layers reach, cut verbatim (the drift table's "copied"
+# entries in them), and the sources of the kernel objects' signatures.
+INDEXER_Q = "vllm/models/deepseek_v4/common/ops/fused_indexer_q.py"
+CACHE_UTILS = "vllm/models/deepseek_v4/common/ops/cache_utils.py"
+COMPRESS_CUTE = "vllm/models/deepseek_v4/nvidia/ops/sparse_attn_compress_cutedsl.py"
+INDEXER_Q_CUTE = "vllm/models/deepseek_v4/nvidia/ops/fused_indexer_q_cutedsl.py"
+FLASHMLA_IFACE = "vllm/third_party/flashmla/flash_mla_interface.py"
+NEEDED = (ATTN, COMP, FLASHMLA, MSU, BCG, UBATCH, INDEXER_Q, CACHE_UTILS, COMPRESS_CUTE,
+          INDEXER_Q_CUTE, FLASHMLA_IFACE, "vllm/version.py", "vllm/_version.py")
 # The CUDA layer module whose drift table says which vLLM bodies to cut.
 LAYER = HERE.parent.parent / "vllm_dsv4_backend" / "layer" / "cuda.py"
 
@@ -80,13 +88,89 @@ def _module(rel: str) -> str:
 # How the stub provides each module the drift table names: its symbols cut
 # verbatim (into the class sections of ``build``), the file copied whole, or
 # stand-ins (kernels: ``COMMON_OPS`` / ``CUTEDSL`` below, the harness's doubles).
-CUT: dict[str, str] = {_module(rel): rel for rel in (ATTN, COMP, FLASHMLA, BCG)}
+CUT: dict[str, str] = {_module(rel): rel for rel in (ATTN, COMP, FLASHMLA, BCG, INDEXER_Q,
+                                                     CACHE_UTILS, COMPRESS_CUTE)}
 WHOLE: dict[str, str] = {_module(MSU): MSU}
-STANDIN: tuple[str, ...] = (
-    "vllm.models.deepseek_v4.common.ops.fused_indexer_q",
-    "vllm.models.deepseek_v4.common.ops.cache_utils",
-    "vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl",
+STANDIN: tuple[str, ...] = ()
+
+# vLLM's kernel objects that the plugin's adapter (``VllmCudaKernels``) and vLLM's
+# wrappers both call, by the module global both import: (stub module file, global,
+# source file, qualname of the callable whose parameters are the contract, the
+# stand-in in standins.py that computes it, the interface checks of recording.py).
+KERNELS: tuple[tuple[str, str, str, str, str, str], ...] = (
+    (CACHE_UTILS, "_COMPUTE_GLOBAL_TOPK_INDICES_AND_LENS_KERNEL", CACHE_UTILS,
+     "ComputeGlobalTopkIndicesAndLensKernel.__call__", "global_topk_kernel",
+     "R.unit_last_stride_check(NAME, 'global_topk_indices', 'topk_indices', 'block_table')"),
+    (INDEXER_Q, "_FUSED_INDEXER_Q_ROPE_QUANT_TRITON_KERNEL", INDEXER_Q,
+     "FusedIndexerQRopeQuantTritonKernel.__call__", "indexer_q_fp8_triton",
+     "R.unit_last_stride_check(NAME, 'index_q', 'index_q_fp8', 'index_weights_out')"),
+    (INDEXER_Q, "_FUSED_INDEXER_Q_ROPE_MXFP4_TRITON_KERNEL", INDEXER_Q,
+     "FusedIndexerQRopeMxFp4TritonKernel.__call__", "indexer_q_mxfp4", ""),
+    (INDEXER_Q_CUTE, "_INDEXER_Q_FP8_KERNEL", INDEXER_Q_CUTE, "IndexerQFp8Kernel.__call__",
+     "indexer_q_fp8_cutedsl", "R.unit_last_stride_check(NAME, 'q', 'q_fp8', 'weights_out')"),
+    (INDEXER_Q_CUTE, "_INDEXER_Q_MXFP4_KERNEL", INDEXER_Q_CUTE, "IndexerQMxFp4Kernel.__call__",
+     "indexer_q_mxfp4", ""),
+    (COMPRESS_CUTE, "_SPARSE_ATTN_COMPRESS_NORM_ROPE_STORE_C4_KERNEL", COMPRESS_CUTE,
+     "SparseAttnCompressNormRopeStoreC4Kernel.__call__", "c4_compress_store", ""),
+    (COMPRESS_CUTE, "_SPARSE_ATTN_COMPRESS_NORM_ROPE_STORE_FULL_C4_KERNEL", COMPRESS_CUTE,
+     "SparseAttnCompressNormRopeStoreFullC4Kernel.__call__", "store_full_kv", ""),
+    (COMPRESS_CUTE, "_SPARSE_ATTN_COMPRESS_C128_BLOCK8_KERNEL", COMPRESS_CUTE,
+     "SparseAttnCompressC128Block8Kernel.__call__", "c128_compress",
+     "R.unit_last_stride_check(NAME, 'compressed_kv')"),
+    (COMPRESS_CUTE, "_SPARSE_ATTN_NORM_ROPE_STORE_KERNEL", COMPRESS_CUTE,
+     "SparseAttnNormRopeStoreKernel.__call__", "c128_store",
+     "R.unit_last_stride_check(NAME, 'compressed_kv')"),
+    (COMPRESS_CUTE, "_SPARSE_ATTN_NORM_ROPE_STORE_FULL_KERNEL", COMPRESS_CUTE,
+     "SparseAttnNormRopeStoreFullKernel.__call__", "store_full_kv", ""),
+    (FLASHMLA, "flash_mla_with_kvcache", FLASHMLA_IFACE, "flash_mla_with_kvcache",
+     "flash_mla_with_kvcache", "R.flash_mla_out_check, R.sparse_indices_check"),
 )
+
+
+def signature_text(src: Source, qualname: str, name: str) -> str:
+    """A function ``name`` with the parameters of vLLM's ``qualname`` (``self``
+    dropped, annotations dropped, kinds and defaults kept) and no body."""
+    node = src.node(qualname)
+    if not isinstance(node, ast.FunctionDef):
+        raise SystemExit(f"build_stub: kernel {qualname} not found in {src.rel}")
+    args = node.args
+    if args.args and args.args[0].arg == "self":
+        args.args = args.args[1:]
+    for a in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]:
+        if a is not None:
+            a.annotation = None
+    node.name, node.decorator_list, node.returns = name, [], None
+    node.body = [ast.Expr(ast.Constant(...))]
+    return ast.unparse(ast.fix_missing_locations(node)) + "\n"
+
+
+def class_constants(src: Source, qualname: str) -> dict[str, object]:
+    """The constant class attributes of the kernel's class (``state_block_size``):
+    callers read them off the object."""
+    owner = qualname.rpartition(".")[0]
+    node = src.node(owner) if owner else None
+    out: dict[str, object] = {}
+    for stmt in getattr(node, "body", []):
+        if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+                and isinstance(stmt.targets[0], ast.Name)
+                and isinstance(stmt.value, ast.Constant)):
+            out[stmt.targets[0].id] = stmt.value.value
+    return out
+
+
+def kernel_globals(root: Path, stub_rel: str) -> tuple[str, str]:
+    """The signatures module's text for every kernel, and the kernel objects of
+    stub module ``stub_rel`` (text placed after its imports)."""
+    sigs, objs = [], []
+    for where, name, rel, qualname, compute, checks in KERNELS:
+        src = Source(root, rel)
+        sigs.append(signature_text(src, qualname, name))
+        if where == stub_rel:
+            chk = checks.replace("NAME", repr(name))
+            attrs = "".join(f", {k}={v!r}" for k, v in class_constants(src, qualname).items())
+            objs.append(f"{name} = R.Kernel({name!r}, SIG.{name}, S.{compute}"
+                        + (f", checks=({chk},)" if chk else "") + attrs + ")\n")
+    return "import torch\n\n\n" + "\n\n".join(sigs), "".join(objs)
 
 
 def _minor(version: str) -> str:
@@ -138,7 +222,7 @@ class Cuts:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.files = {rel: Source(root, rel) for rel in (ATTN, COMP, FLASHMLA, BCG)}
+        self.files = {rel: Source(root, rel) for rel in CUT.values()}
         self.log: list[tuple[str, str, int, int]] = []
         self.substituted: list[str] = []
 
@@ -317,8 +401,13 @@ class _CudaPlatform:
 current_platform = _CudaPlatform()
 '''
 
-IMPORT_UTILS = '''def has_cutedsl() -> bool:
-    return False
+IMPORT_UTILS = '''import os
+
+
+def has_cutedsl() -> bool:
+    # The harness runs the Triton dispatch unless HARNESS_CUTEDSL=1 (both call
+    # recording stand-ins of vLLM's kernel objects).
+    return os.environ.get("HARNESS_CUTEDSL") == "1"
 '''
 
 MATH_UTILS = '''def round_up(x: int, y: int) -> int:
@@ -475,8 +564,10 @@ from vllm.models.deepseek_v4.attention import DeepseekV4Attention
 from vllm.models.deepseek_v4.common.ops import compute_global_topk_indices_and_lens
 from vllm.utils.math_utils import round_up
 
-flash_mla_with_kvcache = S.flash_mla_with_kvcache
+from vllm import _harness_recording as R
+from vllm import _harness_signatures as SIG
 
+{kernels}
 
 class DeepseekV4FlashMLAMetadata:  # cast() target only
     pass
@@ -530,15 +621,51 @@ class DeepseekV4FlashMLAAttention(DeepseekV4Attention):
 
 '''
 
-COMMON_OPS = '''from vllm import _harness_standins as S
-
-fused_indexer_q_rope_quant = S.fused_indexer_q_rope_quant
-compute_global_topk_indices_and_lens = S.compute_global_topk_indices_and_lens
+COMMON_OPS = '''from vllm.models.deepseek_v4.common.ops.cache_utils import (
+    compute_global_topk_indices_and_lens,
+)
+from vllm.models.deepseek_v4.common.ops.fused_indexer_q import fused_indexer_q_rope_quant
 '''
 
-CUTEDSL = '''from vllm import _harness_standins as S
+# The kernel modules: vLLM's wrappers cut verbatim, its kernel objects recording
+# stand-ins ({kernels}: ``kernel_globals``).
+KERNEL_HEAD = '''import torch
 
-_SPARSE_ATTN_COMPRESSOR_CUTEDSL_KERNEL = S.SparseAttnCompressorCuteDSL()
+from vllm import _harness_recording as R
+from vllm import _harness_signatures as SIG
+from vllm import _harness_standins as S
+from vllm.platforms import current_platform
+from vllm.utils.import_utils import has_cutedsl
+
+MXFP4_BLOCK_SIZE = 32  # vLLM's fused_indexer_q.MXFP4_BLOCK_SIZE
+
+{kernels}
+
+'''
+
+COMPRESSOR_CLASS = '''
+
+class SparseAttnCompressorCuteDSL:
+    def __init__(self, *, c4_store, c4_store_full, c128_compress, c128_store,
+                 c128_store_full):
+        # Shim: vLLM's constructor stores the five kernel objects.
+        self.c4_store = c4_store
+        self.c4_store_full = c4_store_full
+        self.c128_compress = c128_compress
+        self.c128_store = c128_store
+        self.c128_store_full = c128_store_full
+
+'''
+
+COMPRESSOR_OBJECT = '''
+
+_SPARSE_ATTN_COMPRESSOR_CUTEDSL_KERNEL = SparseAttnCompressorCuteDSL(
+    c4_store=_SPARSE_ATTN_COMPRESS_NORM_ROPE_STORE_C4_KERNEL,
+    c4_store_full=_SPARSE_ATTN_COMPRESS_NORM_ROPE_STORE_FULL_C4_KERNEL,
+    c128_compress=_SPARSE_ATTN_COMPRESS_C128_BLOCK8_KERNEL,
+    c128_store=_SPARSE_ATTN_NORM_ROPE_STORE_KERNEL,
+    c128_store_full=_SPARSE_ATTN_NORM_ROPE_STORE_FULL_KERNEL,
+)
 '''
 
 
@@ -605,12 +732,24 @@ def build(root: Path, out: Path) -> tuple[str, list[tuple[str, str, int, int]]]:
         files[rel] = text
     put("vllm/models/deepseek_v4/common/__init__.py", "")
     put("vllm/models/deepseek_v4/common/ops/__init__.py", COMMON_OPS)
-    put("vllm/models/deepseek_v4/nvidia/ops/sparse_attn_compress_cutedsl.py", CUTEDSL)
+    signatures, _ = kernel_globals(root, "")
+    put("vllm/_harness_signatures.py", signatures)
+
+    def kernel_module(rel: str, body: str) -> None:
+        put(rel, KERNEL_HEAD.format(kernels=kernel_globals(root, rel)[1]) + body)
+
+    kernel_module(CACHE_UTILS, plan.section(CACHE_UTILS, None, sep="\n\n"))
+    kernel_module(INDEXER_Q, plan.section(INDEXER_Q, None, sep="\n\n"))
+    kernel_module(INDEXER_Q_CUTE, "")
+    kernel_module(COMPRESS_CUTE, COMPRESSOR_CLASS
+                  + plan.section(COMPRESS_CUTE, "SparseAttnCompressorCuteDSL")
+                  + COMPRESSOR_OBJECT)
     put(ATTN, ATTN_HEAD + "    # --- vLLM's bodies " + "-" * 60 + "\n\n"
         + plan.section(ATTN, "DeepseekV4Attention")
         + INDEXER_HEAD + plan.section(ATTN, "DeepseekV4Indexer"))
     put(COMP, COMP_HEAD + plan.section(COMP, "DeepseekCompressor"))
-    put(FLASHMLA, FLASHMLA_HEAD + plan.section(FLASHMLA, "DeepseekV4FlashMLAAttention"))
+    put(FLASHMLA, FLASHMLA_HEAD.format(kernels=kernel_globals(root, FLASHMLA)[1])
+        + plan.section(FLASHMLA, "DeepseekV4FlashMLAAttention"))
     plan.done()
     if out.exists():
         shutil.rmtree(out)
@@ -619,6 +758,7 @@ def build(root: Path, out: Path) -> tuple[str, list[tuple[str, str, int, int]]]:
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(text, encoding="utf-8")
     shutil.copyfile(HERE / "standins.py", out / "vllm/_harness_standins.py")
+    shutil.copyfile(HERE / "recording.py", out / "vllm/_harness_recording.py")
     lines = [f"# vLLM {version} bodies cut by tools/cuda_graph/build_stub.py from {root}",
              "# symbol  fingerprint  lines"]
     lines += [f"{sym}  {fp}  {a}-{b}" for sym, fp, a, b in cuts.log]

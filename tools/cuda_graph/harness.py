@@ -101,6 +101,7 @@ def run_all(modes: list[str] | None = None, steps: int = 3, device: str | None =
     from coverage import Coverage
 
     vllm = _stub()
+    from vllm._harness_recording import contract_diff
 
     # One CPU thread by default: OpenMP threads sharing busy cores collapse, and the
     # tensors here are small (HARNESS_THREADS to change it).
@@ -122,7 +123,8 @@ def run_all(modes: list[str] | None = None, steps: int = 3, device: str | None =
                               "torch": torch.__version__, "device": str(dev), "steps": steps,
                               "ratios": list(RATIOS), "ubatches": NUM_UBATCHES,
                               "tokens_per_ubatch": DECODES + PREFILL, "modes": {},
-                              "controls": {}, "complete": False, "ok": False}
+                              "contract": {}, "controls": {}, "complete": False,
+                              "ok": False}
     detector = self_check()
     report["race_detector"] = {"self_check": detector, "torch_tested": list(TESTED_TORCH),
                                "torch_version_tested": torch_version_tested()}
@@ -165,6 +167,20 @@ def run_all(modes: list[str] | None = None, steps: int = 3, device: str | None =
                     + (f" races={races}" if "races" in res else "")
                     + (f" fences dropped={res['fences_dropped']}"
                        if "fences_dropped" in res else ""))
+        if "plugin" in entry and "vllm" in entry and "error" not in entry["plugin"] \
+                and "error" not in entry["vllm"]:
+            # The adapter held to vLLM's own calls: same kernels, order, streams and
+            # tensor metadata, but for the workspace's storages (recording.py).
+            calls = (entry["plugin"].pop("kernel_calls"), entry["vllm"].pop("kernel_calls"))
+            cdiff = contract_diff(*calls)
+            report["contract"][name] = {"kernel_calls": [len(c) for c in calls],
+                                        "kernels": sorted({e["kernel"] for e in calls[0]}),
+                                        "diff": cdiff}
+            ok &= not cdiff
+            log(f"[{name:20s}] contract: {len(calls[0])} kernel calls, "
+                + ("same as vLLM's layer" if not cdiff else f"DIFFERS {cdiff[:3]}"))
+        for res in entry.values():
+            res.pop("kernel_calls", None)
         report["modes"][name] = entry
         if json_path:
             _write(json_path, report)

@@ -286,7 +286,7 @@ class Model:
         return c
 
     def _attach(self, policy: str) -> None:
-        from vllm import _harness_standins as S
+        from vllm import _harness_recording as R
 
         from vllm_dsv4_backend.layer import cuda as plugin_cuda
         from vllm_dsv4_backend.layer.plan import Dims, build_workspace_config
@@ -304,8 +304,12 @@ class Model:
             if self.device.type == "cuda" or self.sim else None)
         self.ws = plugin_cuda.make_workspace(cfg, device=self.device, streams=streams)
         for layer in self.layers:
-            layer._dsv4_attach(self.ws, kernels=S.HarnessKernels())
+            # The adapter serving runs (VllmCudaKernels), calling the stub's
+            # recording stand-ins of vLLM's kernel objects.
+            layer._dsv4_attach(self.ws)
         self.ws.reserve()
+        if self.ws.storage is not None:
+            R.WORKSPACE_STORAGES.add(self.ws.storage.untyped_storage().data_ptr())
 
     # --- metadata (static tensors, updated per step) ---------------------------------
 

@@ -72,8 +72,11 @@ def run_steps(model: Model, steps: int, meter: Meter,
     cuda = model.device.type == "cuda"
     outs, nleases, allocs, allocator = [], [], [], []
     by_op0: dict[str, int] = {}
+    from vllm import _harness_recording as R
+
     for step in range(steps):
         model.load_step(step)
+        R.CONTEXT["step"] = step
         l0 = leases(model)
         xs = step_fn()
         if cuda or model.sim:
@@ -85,6 +88,7 @@ def run_steps(model: Model, steps: int, meter: Meter,
         allocator.append(a)
         if step == 0:
             by_op0 = meter.last_by_op
+    R.CONTEXT["step"] = None
     res: dict[str, Any] = {"outputs": outs, "leases_per_step": nleases,
                            "allocations_per_step": allocs,
                            "allocator_requests_per_step": allocator if cuda else None}
@@ -326,6 +330,7 @@ class Mode:
     debug: bool = False
     gemm0: bool = False
     mrv1: bool = False
+    cutedsl: bool = False
     slow: bool = False
     stage: tuple[int, ...] | None = None
 
@@ -346,6 +351,7 @@ MODES = (
     Mode("sim-eager-random", "sim", order="random", dbo=True),
     Mode("sim-eager-yield", "sim", order="lazy", dbo=True, yield_before_o_proj=True),
     Mode("sim-eager-debug", "sim", order="lazy", dbo=True, debug=True),
+    Mode("sim-eager-cutedsl", "sim", order="lazy", dbo=True, cutedsl=True),
     Mode("sim-private", "sim", policy="private", order="lazy", dbo=True),
     Mode("sim-piecewise", "sim", run="piecewise", order="lazy"),
     Mode("sim-piecewise-debug", "sim", run="piecewise", order="lazy", debug=True),
@@ -394,6 +400,7 @@ def run_mode(mode: Mode, impl: str, seed: int, steps: int, coverage: Any = None,
     emulation the races and the emulator's launch counts. ``fault``: a
     context manager entered around the run (a negative control)."""
     from controls import env
+    from vllm import _harness_recording as R
     from vllm import _harness_standins as S
     from vllm import envs as venvs
 
@@ -406,10 +413,12 @@ def run_mode(mode: Mode, impl: str, seed: int, steps: int, coverage: Any = None,
         # fence GraphSafeCudaStreamBackend must drop (review §2c).
         venvs.VLLM_MULTI_STREAM_GEMM_TOKEN_THRESHOLD = 0
     device = torch.device("cuda" if mode.where == "cuda" else "cpu")
+    R.reset()
     sim = (emulated(mode.order, seed, coverage) if mode.where == "sim"
            else contextlib.nullcontext((None, None)))
     try:
-        with env(VLLM_DSV4_WORKSPACE_DEBUG="1" if mode.debug else None), sim as (rt, det), \
+        with env(VLLM_DSV4_WORKSPACE_DEBUG="1" if mode.debug else None,
+                 HARNESS_CUTEDSL="1" if mode.cutedsl else None), sim as (rt, det), \
                 (fault() if fault is not None else contextlib.nullcontext()):
             m = Model(impl, device, seed, policy=mode.policy,
                       aux_streams=mode.where != "cpu", mrv1=mode.mrv1,
@@ -444,4 +453,6 @@ def run_mode(mode: Mode, impl: str, seed: int, steps: int, coverage: Any = None,
         S.YIELD_BEFORE_O_PROJ["on"] = False
         venvs.VLLM_MULTI_STREAM_GEMM_TOKEN_THRESHOLD = threshold
     res.update(fences(m))
+    # vLLM's kernel objects as this run called them (recording.py).
+    res["kernel_calls"] = R.take()
     return res

@@ -3,9 +3,11 @@
 """Torch stand-ins for vLLM's CUDA-only kernels, for the CUDA-graph harness.
 
 ``build_stub.py`` copies this file into the generated stand-in ``vllm``
-package as ``vllm/_harness_standins.py``; the cut vLLM bodies and the
-plugin's kernel double both call into it, so vLLM's layer and the plugin's
-layer compute the same bits from the same inputs.
+package as ``vllm/_harness_standins.py``; vLLM's cut bodies and wrappers, and
+the plugin's adapter (``layer.cuda_kernels.VllmCudaKernels``), reach it through
+the recording kernel objects of ``recording.py`` (bound to the real kernels'
+signatures), so vLLM's layer and the plugin's compute the same bits from the
+same inputs.
 
 Every stand-in really computes (RoPE, ue8m0/e4m3 quantization, the indexer
 scores and top-k, the windowed compressor with RMSNorm and RoPE, sparse MLA
@@ -231,19 +233,42 @@ def indexer_q_fp8(*, positions: torch.Tensor, q: torch.Tensor, cos_sin_cache: to
                           * weights_head_scale)
 
 
-def fused_indexer_q_rope_quant(positions: torch.Tensor, q: torch.Tensor,
-                               cos_sin_cache: torch.Tensor, weights: torch.Tensor,
-                               softmax_scale: float, head_scale: float,
-                               use_fp4: bool = False, **_: Any) -> tuple[Any, torch.Tensor]:
-    """vLLM's wrapper: allocates its outputs, then the kernel."""
-    if use_fp4:
-        raise NotImplementedError("the harness covers the FP8 indexer cache only")
-    q_fp8 = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device)
-    weights_out = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+def indexer_q_fp8_triton(*, positions: torch.Tensor, index_q: torch.Tensor,
+                         index_q_cos_sin_cache: torch.Tensor, index_weights: torch.Tensor,
+                         index_weights_softmax_scale: float, index_weights_head_scale: float,
+                         index_q_fp8: torch.Tensor, index_weights_out: torch.Tensor,
+                         fp8_max: float, use_fnuz: bool) -> None:
+    """``_FUSED_INDEXER_Q_ROPE_QUANT_TRITON_KERNEL`` (e4m3fn only)."""
+    if use_fnuz or fp8_max != FP8_MAX or index_q_fp8.dtype != torch.float8_e4m3fn:
+        raise NotImplementedError("the harness stands for the CUDA e4m3fn build")
+    indexer_q_fp8(positions=positions, q=index_q, cos_sin_cache=index_q_cos_sin_cache,
+                  weights=index_weights, weights_softmax_scale=index_weights_softmax_scale,
+                  weights_head_scale=index_weights_head_scale, q_fp8=index_q_fp8,
+                  weights_out=index_weights_out)
+
+
+def indexer_q_fp8_cutedsl(*, positions: torch.Tensor, q: torch.Tensor,
+                          cos_sin_cache: torch.Tensor, weights: torch.Tensor,
+                          weights_softmax_scale: float, weights_head_scale: float,
+                          q_fp8: torch.Tensor, weights_out: torch.Tensor) -> None:
+    """``_INDEXER_Q_FP8_KERNEL``: takes the e4m3 bytes as ``uint8`` (vLLM's
+    wrapper passes ``q_fp8.view(torch.uint8)``)."""
+    if q_fp8.dtype != torch.uint8:
+        from vllm._harness_recording import ContractError
+
+        raise ContractError(f"_INDEXER_Q_FP8_KERNEL: q_fp8 must be uint8 bytes, got {q_fp8.dtype}")
     indexer_q_fp8(positions=positions, q=q, cos_sin_cache=cos_sin_cache, weights=weights,
-                  weights_softmax_scale=softmax_scale, weights_head_scale=head_scale,
-                  q_fp8=q_fp8, weights_out=weights_out)
-    return q_fp8, weights_out
+                  weights_softmax_scale=weights_softmax_scale,
+                  weights_head_scale=weights_head_scale,
+                  q_fp8=q_fp8.view(torch.float8_e4m3fn), weights_out=weights_out)
+
+
+def indexer_q_mxfp4(**_: Any) -> None:
+    raise NotImplementedError("the harness covers the FP8 indexer cache only")
+
+
+def store_full_kv(**_: Any) -> None:
+    raise NotImplementedError("store_full_kv (plain-row caches): not part of the harness")
 
 
 class IndexerOp:
@@ -326,18 +351,13 @@ def local_to_global(local: torch.Tensor, token_to_req: torch.Tensor, block_table
                                     is_valid_token=is_valid, check_slot_range=False)
 
 
-def compute_global_topk_indices_and_lens(topk_indices: torch.Tensor,
-                                         token_to_req_indices: torch.Tensor,
-                                         block_table: torch.Tensor, block_size: int,
-                                         is_valid_token: torch.Tensor
-                                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's wrapper: allocates both outputs, then the kernel."""
-    t = topk_indices.shape[0]
-    g = torch.empty((t, topk_indices.shape[1]), dtype=torch.int32, device=topk_indices.device)
-    lens = torch.empty((t,), dtype=torch.int32, device=topk_indices.device)
+def global_topk_kernel(*, global_topk_indices: torch.Tensor, topk_lens: torch.Tensor,
+                       topk_indices: torch.Tensor, token_to_req_indices: torch.Tensor,
+                       block_table: torch.Tensor, block_size: int,
+                       is_valid_token: torch.Tensor) -> None:
+    """``_COMPUTE_GLOBAL_TOPK_INDICES_AND_LENS_KERNEL``."""
     local_to_global(topk_indices, token_to_req_indices, block_table, block_size,
-                    is_valid_token, g, lens)
-    return g, lens
+                    is_valid_token, global_topk_indices, topk_lens)
 
 
 # --- compressor ------------------------------------------------------------------------
@@ -411,15 +431,40 @@ def compress_store(*, state_cache: torch.Tensor, token_to_req_indices: torch.Ten
                         compress_ratio=compress_ratio, head_dim=head_dim)
 
 
+def c4_compress_store(*, state_cache: torch.Tensor, token_to_req_indices: torch.Tensor,
+                      positions: torch.Tensor, slot_mapping: torch.Tensor,
+                      block_table: torch.Tensor, block_size: int,
+                      rms_norm_weight: torch.Tensor, rms_norm_eps: float,
+                      cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor,
+                      kv_slot_mapping: torch.Tensor, compress_ratio: int, head_dim: int,
+                      rope_head_dim: int) -> None:
+    """``_SPARSE_ATTN_COMPRESS_NORM_ROPE_STORE_C4_KERNEL`` (overlapping windows)."""
+    with kernel_region():
+        c = compress_rows(state_cache, token_to_req_indices, positions, block_table,
+                          compress_ratio, head_dim, True)
+        norm_rope_store(compressed_kv=c, positions=positions, slot_mapping=kv_slot_mapping,
+                        rms_norm_weight=rms_norm_weight, rms_norm_eps=rms_norm_eps,
+                        cos_sin_cache=cos_sin_cache, kv_cache=kv_cache,
+                        compress_ratio=compress_ratio, head_dim=head_dim)
+
+
 def c128_compress(*, state_cache: torch.Tensor, num_actual: int,
                   token_to_req_indices: torch.Tensor, positions: torch.Tensor,
                   slot_mapping: torch.Tensor, block_table: torch.Tensor, head_dim: int,
-                  compressed_kv: torch.Tensor) -> None:
-    """``_SPARSE_ATTN_COMPRESS_C128_BLOCK8_KERNEL`` into ``compressed_kv``."""
+                  compressed_kv: torch.Tensor | None) -> torch.Tensor:
+    """``_SPARSE_ATTN_COMPRESS_C128_BLOCK8_KERNEL`` into ``compressed_kv``
+    (allocated here when the caller passes none, as the real kernel does)."""
+    if compressed_kv is None:
+        compressed_kv = torch.empty((num_actual, head_dim), dtype=torch.float32,
+                                    device=state_cache.device)
     with kernel_region():
         compressed_kv.copy_(compress_rows(state_cache, token_to_req_indices,
                                           positions[:num_actual], block_table, 128,
                                           head_dim, False))
+    return compressed_kv
+
+
+c128_compress.allocates = ("compressed_kv",)  # type: ignore[attr-defined]
 
 
 def c128_store(*, compressed_kv: torch.Tensor, positions: torch.Tensor,
@@ -434,69 +479,3 @@ def c128_store(*, compressed_kv: torch.Tensor, positions: torch.Tensor,
                         slot_mapping=kv_slot_mapping, rms_norm_weight=rms_norm_weight,
                         rms_norm_eps=rms_norm_eps, cos_sin_cache=cos_sin_cache,
                         kv_cache=kv_cache, compress_ratio=compress_ratio, head_dim=head_dim)
-
-
-class SparseAttnCompressorCuteDSL:
-    """``_SPARSE_ATTN_COMPRESSOR_CUTEDSL_KERNEL``: C128 allocates its fp32
-    scratch per call and runs the compress / store pair (what the plugin's
-    ``DSV4CudaCompressor`` repeats with a leased scratch); C4 is one call."""
-
-    def __call__(self, *, state_cache: torch.Tensor, num_actual: int,
-                 token_to_req_indices: torch.Tensor, positions: torch.Tensor,
-                 slot_mapping: torch.Tensor, block_table: torch.Tensor,
-                 cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor,
-                 k_cache_metadata: Any, head_dim: int, rope_head_dim: int,
-                 compress_ratio: int, overlap: bool, rms_norm_weight: torch.Tensor,
-                 rms_norm_eps: float, **kw: Any) -> None:
-        if compress_ratio != 128:
-            compress_store(state_cache=state_cache, token_to_req_indices=token_to_req_indices,
-                           positions=positions, block_table=block_table,
-                           cos_sin_cache=cos_sin_cache, kv_cache=kv_cache,
-                           k_cache_metadata=k_cache_metadata, head_dim=head_dim,
-                           compress_ratio=compress_ratio, overlap=overlap,
-                           rms_norm_weight=rms_norm_weight, rms_norm_eps=rms_norm_eps)
-            return
-        if positions.numel() == 0:
-            return
-        compressed_kv = torch.empty((num_actual, head_dim), dtype=torch.float32,
-                                    device=state_cache.device)
-        c128_compress(state_cache=state_cache, num_actual=num_actual,
-                      token_to_req_indices=token_to_req_indices, positions=positions,
-                      slot_mapping=slot_mapping, block_table=block_table, head_dim=head_dim,
-                      compressed_kv=compressed_kv)
-        c128_store(compressed_kv=compressed_kv, positions=positions,
-                   rms_norm_weight=rms_norm_weight, rms_norm_eps=rms_norm_eps,
-                   cos_sin_cache=cos_sin_cache, kv_cache=kv_cache,
-                   kv_slot_mapping=k_cache_metadata.slot_mapping,
-                   compress_ratio=compress_ratio, head_dim=head_dim)
-
-
-class HarnessKernels:
-    """The plugin layer's kernel double (``layer.cuda.VllmCudaKernels``'s
-    interface), on the same stand-ins vLLM's bodies call."""
-
-    def global_topk_indices_and_lens(self, global_topk_indices: torch.Tensor,
-                                     topk_lens: torch.Tensor, topk_indices: torch.Tensor,
-                                     token_to_req_indices: torch.Tensor,
-                                     block_table: torch.Tensor, block_size: int,
-                                     is_valid_token: torch.Tensor) -> None:
-        local_to_global(topk_indices, token_to_req_indices, block_table, block_size,
-                        is_valid_token, global_topk_indices, topk_lens)
-
-    def indexer_q_fp8(self, **kw: Any) -> None:
-        indexer_q_fp8(**kw)
-
-    def indexer_q_mxfp4(self, **kw: Any) -> None:
-        raise NotImplementedError("the harness covers the FP8 indexer cache only")
-
-    def c128_state_block_size(self) -> int:
-        return 8
-
-    def c128_compress(self, **kw: Any) -> None:
-        c128_compress(**kw)
-
-    def c128_store(self, **kw: Any) -> None:
-        c128_store(**kw)
-
-    def flash_mla_with_kvcache(self, **kw: Any) -> Any:
-        return flash_mla_with_kvcache(**kw)

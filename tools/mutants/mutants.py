@@ -12,7 +12,10 @@ first to keep the run short (the rest follow if it does not).
 Checks (see ``run.py``): ``harness:<mode>`` (one harness mode, plugin layer,
 ``--fail-fast``), ``control:<name>`` (one negative control, which must still
 pass: a mutant that breaks the fences makes the fenced run corrupt),
-``pytest:<path>`` (in the vLLM 0.34 venv for ``tests/cuda``, else ``.venv``).
+``pytest:<path>`` (in the vLLM 0.34 venv for ``tests/cuda``, else ``.venv``),
+``contract:<mode>`` (one harness mode, both layers: the plugin's kernel calls
+must equal vLLM's layer's, and the recording stand-ins refuse a call the real
+kernel would refuse).
 """
 
 from __future__ import annotations
@@ -195,5 +198,62 @@ MUTANTS: tuple[Mutant, ...] = (
         "    def _sparse_indexer_and_attn(\n",
         "    def _sparse_indexer_and_attn(\n",
         "pytest:tests/cuda/test_structure.py",
+    ),
+    # --- the adapter held to vLLM's own kernel calls (contract: the harness's
+    # recording stand-ins, both layers in one mode) ---
+    Mutant(
+        "adapter-c128-compress-undeclared-stream",
+        "a real kernel launched by the adapter on a stream no fence knows: the C128 "
+        "compress runs on a side stream of its own while the store reads its scratch",
+        KERNELS,
+        "        _SPARSE_ATTN_COMPRESS_C128_BLOCK8_KERNEL(\n"
+        "            state_cache=state_cache, num_actual=num_actual,\n",
+        "        try:  # (the CPU reference runs have no streams at all)\n"
+        "            side = torch.cuda.stream(torch.cuda.Stream())\n"
+        "        except RuntimeError:\n"
+        "            import contextlib\n"
+        "            side = contextlib.nullcontext()\n"
+        "        with side:\n"
+        "          _SPARSE_ATTN_COMPRESS_C128_BLOCK8_KERNEL(\n"
+        "            state_cache=state_cache, num_actual=num_actual,\n",
+        "contract:sim-eager",
+    ),
+    Mutant(
+        "adapter-indexer-q-fp8-not-bytes",
+        "adapter contract drift: the CuTe DSL indexer-q kernel given the e4m3 tensor "
+        "instead of the uint8 bytes vLLM's wrapper passes",
+        KERNELS,
+        "dict(q_fp8=q_fp8.view(torch.uint8), weights_out=weights_out)",
+        "dict(q_fp8=q_fp8, weights_out=weights_out)",
+        "contract:sim-eager-cutedsl",
+    ),
+    Mutant(
+        "adapter-c128-store-argument-dropped",
+        "adapter contract drift: an argument of the real kernel's signature left out "
+        "(rope_head_dim), which the real kernel object refuses",
+        KERNELS,
+        "            compress_ratio=compress_ratio, head_dim=head_dim, "
+        "rope_head_dim=rope_head_dim,\n",
+        "            compress_ratio=compress_ratio, head_dim=head_dim,\n",
+        "contract:eager",
+    ),
+    Mutant(
+        "adapter-compressor-scratch-strided",
+        "adapter contract drift: the C128 scratch handed to the kernels with a "
+        "transposed stride (the same bytes, read out of place by the kernel)",
+        LAYER,
+        '        compressed_kv = lease["scratch"][:num_actual]\n',
+        '        compressed_kv = (lease["scratch"].view(-1)[: num_actual * self.head_dim]\n'
+        '                         .view(self.head_dim, num_actual).t())\n',
+        "contract:eager",
+    ),
+    Mutant(
+        "adapter-flashmla-out-layout",
+        "adapter contract drift: FlashMLA's out given as (b, H, 1, 512) instead of "
+        "(b, 1, H, 512)",
+        LAYER,
+        "                out=output.unsqueeze(1),\n",
+        "                out=output.unsqueeze(2),\n",
+        "contract:eager",
     ),
 )

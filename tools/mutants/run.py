@@ -38,6 +38,8 @@ CHECKS = (
     "pytest:tests/cuda/test_structure.py",
     "pytest:tests/cuda/test_layer_streams.py",
     "harness:sim-eager",
+    "contract:eager",
+    "contract:sim-eager",
     "harness:sim-eager-debug",
     "harness:sim-eager-yield",
     "harness:sim-piecewise",
@@ -98,9 +100,16 @@ def check(kind: str, root: Path, stub: Path) -> tuple[bool, str]:
                "--impls", "plugin", "--fail-fast"]
         if what == "harness":
             cmd += ["--modes", arg, "--controls", ""]
+        elif what == "contract":
+            cmd = [*cmd[:-3], "--impls", "plugin,vllm", "--fail-fast", "--modes", arg,
+                   "--controls", ""]
         else:
             cmd += ["--modes", "eager", "--controls", arg]
     rc, tail = _run(cmd, env, root)
+    if what == "contract" and rc != 0 and not any(
+            sym in tail for sym in ("DIFFERS", "ContractError")):
+        # Killed only by the bug's own symptom: a contract difference or a refusal.
+        return False, f"(contract:{arg} failed without a contract symptom)\n{tail}"
     return rc != 0, tail
 
 

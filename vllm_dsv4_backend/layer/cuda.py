@@ -81,7 +81,11 @@ from vllm.models.deepseek_v4.nvidia.flashmla import DeepseekV4FlashMLAAttention
 from vllm_dsv4_backend import attention_config, eager, envs, testing
 from vllm_dsv4_backend.layer import core
 from vllm_dsv4_backend.layer.core import make_workspace, num_ubatches
-from vllm_dsv4_backend.layer.cuda_kernels import GraphSafeCudaStreamBackend, VllmCudaKernels
+from vllm_dsv4_backend.layer.cuda_kernels import (
+    KERNEL_SIGNATURES,
+    GraphSafeCudaStreamBackend,
+    VllmCudaKernels,
+)
 from vllm_dsv4_backend.vllm_compat.fingerprints import source_params
 from vllm_dsv4_backend.workspace import WorkspaceManager
 
@@ -171,42 +175,6 @@ VLLM_DRIFT: dict[str, tuple[str, dict[str, str | None]]] = {
     "vllm.models.deepseek_v4.attention:DeepseekV4Attention._prepare_and_attn_eager":
         ("fenced decorated", {"0.33": "9fef557e90c02951", "0.34": None}),
 }
-
-# Kernel objects called with caller-owned outputs: (module, class.__call__,
-# parameter names). Checked from the module's source text (no import).
-KERNEL_SIGNATURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("vllm.models.deepseek_v4.common.ops.cache_utils",
-     "ComputeGlobalTopkIndicesAndLensKernel.__call__",
-     ("global_topk_indices", "topk_lens", "topk_indices", "token_to_req_indices",
-      "block_table", "block_size", "is_valid_token")),
-    ("vllm.models.deepseek_v4.common.ops.fused_indexer_q",
-     "FusedIndexerQRopeQuantTritonKernel.__call__",
-     ("positions", "index_q", "index_q_cos_sin_cache", "index_weights",
-      "index_weights_softmax_scale", "index_weights_head_scale", "index_q_fp8",
-      "index_weights_out", "fp8_max", "use_fnuz")),
-    ("vllm.models.deepseek_v4.common.ops.fused_indexer_q",
-     "FusedIndexerQRopeMxFp4TritonKernel.__call__",
-     ("positions", "index_q", "index_q_cos_sin_cache", "index_weights",
-      "index_weights_softmax_scale", "index_weights_head_scale", "index_q_packed",
-      "index_q_scale", "index_weights_out")),
-    ("vllm.models.deepseek_v4.nvidia.ops.fused_indexer_q_cutedsl",
-     "IndexerQMxFp4Kernel.__call__",
-     ("positions", "q", "cos_sin_cache", "weights", "weights_softmax_scale",
-      "weights_head_scale", "q_packed", "q_scale", "weights_out")),
-    ("vllm.models.deepseek_v4.nvidia.ops.fused_indexer_q_cutedsl",
-     "IndexerQFp8Kernel.__call__",
-     ("positions", "q", "cos_sin_cache", "weights", "weights_softmax_scale",
-      "weights_head_scale", "q_fp8", "weights_out")),
-    ("vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl",
-     "SparseAttnCompressC128Block8Kernel.__call__",
-     ("state_cache", "num_actual", "token_to_req_indices", "positions", "slot_mapping",
-      "block_table", "head_dim", "compressed_kv")),
-    ("vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl",
-     "SparseAttnNormRopeStoreKernel.__call__",
-     ("compressed_kv", "positions", "slot_mapping", "rms_norm_weight", "rms_norm_eps",
-      "cos_sin_cache", "kv_cache", "kv_slot_mapping", "compress_ratio", "head_dim",
-      "rope_head_dim")),
-)
 
 # --- workspace ---------------------------------------------------------------------
 
