@@ -148,9 +148,6 @@ class Kernel:
             TRACE.append(entry)
         return result
 
-    def __getitem__(self, grid: Any) -> Kernel:  # Triton-style launch syntax
-        return self
-
 
 def _same(a: Any, b: Any) -> bool:
     """Whether the plugin's argument ``a`` keeps vLLM's ``b``'s contract."""

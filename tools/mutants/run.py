@@ -96,13 +96,12 @@ def check(kind: str, root: Path, stub: Path) -> tuple[bool, str]:
         cmd = _pytest_cmd(py, root, arg)
     else:
         env["PYTHONPATH"] = f"{stub}{os.pathsep}{root}"
+        # contract: both layers, their kernel calls compared; else the plugin's alone.
+        impls = "plugin,vllm" if what == "contract" else "plugin"
         cmd = [str(VENV_PY), str(root / "tools" / "cuda_graph" / "harness.py"), "--steps", "2",
-               "--impls", "plugin", "--fail-fast"]
-        if what == "harness":
+               "--impls", impls, "--fail-fast"]
+        if what in ("harness", "contract"):
             cmd += ["--modes", arg, "--controls", ""]
-        elif what == "contract":
-            cmd = [*cmd[:-3], "--impls", "plugin,vllm", "--fail-fast", "--modes", arg,
-                   "--controls", ""]
         else:
             cmd += ["--modes", "eager", "--controls", arg]
     rc, tail = _run(cmd, env, root)
