@@ -53,6 +53,13 @@ Variables:
     server, engine-core and worker processes. The plugin's layers add
     ``<dir>/layers/layer-<kind>-<pid>.json`` and the workspace counters
     ``<dir>/layers/workspace-<pid>.json`` (rewritten after every layer forward).
+``VLLM_DSV4_METRICS`` = ``1`` (default) | ``0``
+    Publish the workspace's live figures on ``vllm serve``'s ``/metrics``
+    (:mod:`vllm_dsv4_backend.metrics`); ``0``: nothing is written or registered.
+``VLLM_DSV4_METRICS_DIR`` = path (set by the plugin, not by users)
+    The directory the front end created for this server's workspace figures,
+    inherited by its engine and worker processes (the front end always
+    replaces it with a fresh one).
 ``VLLM_DSV4_TEST_UNSAFE_NO_FENCES`` = ``0`` (default) | ``1``
     Test only: the workspace skips every cross-stream fence (the load test
     shows what that does; never set it in production).
@@ -148,6 +155,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_DSV4_SKIP_VERSION_CHECK": _flag("VLLM_DSV4_SKIP_VERSION_CHECK", False),
     "VLLM_DSV4_DUMMY_INIT": _flag("VLLM_DSV4_DUMMY_INIT", True),
     "VLLM_DSV4_MARKER_DIR": _path("VLLM_DSV4_MARKER_DIR"),
+    "VLLM_DSV4_METRICS": _flag("VLLM_DSV4_METRICS", True),
+    "VLLM_DSV4_METRICS_DIR": _path("VLLM_DSV4_METRICS_DIR"),
     "VLLM_DSV4_TEST_UNSAFE_NO_FENCES": _flag("VLLM_DSV4_TEST_UNSAFE_NO_FENCES", False),
     "VLLM_DSV4_TEST_PERTURB_SINK": _float("VLLM_DSV4_TEST_PERTURB_SINK"),
 }
@@ -161,6 +170,8 @@ if False:  # static names for type checkers and IDEs  # noqa: SIM108
     VLLM_DSV4_SKIP_VERSION_CHECK: bool = False
     VLLM_DSV4_DUMMY_INIT: bool = True
     VLLM_DSV4_MARKER_DIR: str | None = None
+    VLLM_DSV4_METRICS: bool = True
+    VLLM_DSV4_METRICS_DIR: str | None = None
     VLLM_DSV4_TEST_UNSAFE_NO_FENCES: bool = False
     VLLM_DSV4_TEST_PERTURB_SINK: float | None = None
 

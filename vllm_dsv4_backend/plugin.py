@@ -167,6 +167,19 @@ def _stand_aside(problem: str, vllm_version: str, platform: str) -> tuple[list[s
     return armed, f"vllm (plugin stood aside: {problem})"
 
 
+def _setup_metrics() -> str | None:
+    """The front end's /metrics collector for the workspace figures
+    (:mod:`vllm_dsv4_backend.metrics`); an error is one WARNING, never a failure."""
+    try:
+        from vllm_dsv4_backend import metrics
+
+        return metrics.setup_frontend()
+    except Exception as e:  # noqa: BLE001 - observability must never stop vLLM
+        logger.warning("vllm_dsv4_backend: no workspace figures on /metrics (%s: %s)",
+                       type(e).__name__, e)
+        return None
+
+
 def register() -> None:
     """Entry point of the ``vllm.general_plugins`` group (idempotent).
 
@@ -236,6 +249,8 @@ def _register() -> None:
         armed = patches.arm(platform, _on_applied, strict=strict)
         layer = _select_attention_layer(platform)
         _state.update(armed=armed, attention_layer=layer)
+        if _state["role"] == "frontend":
+            _state["metrics_dir"] = _setup_metrics()
         _REGISTERED = True
     logger.info(
         "vllm_dsv4_backend %s: registered FLASHMLA_SPARSE_DSV4 (vLLM %s, %s, role %s; "

@@ -35,10 +35,11 @@ BAD: dict[str, str] = {
     "VLLM_DSV4_ATTN_IMPL": "both",
     "VLLM_DSV4_SKIP_VERSION_CHECK": "maybe",
     "VLLM_DSV4_DUMMY_INIT": "sometimes",
+    "VLLM_DSV4_METRICS": "sometimes",
     "VLLM_DSV4_TEST_UNSAFE_NO_FENCES": "maybe",
     "VLLM_DSV4_TEST_PERTURB_SINK": "a lot",
 }
-PATHS = {"VLLM_DSV4_MARKER_DIR"}
+PATHS = {"VLLM_DSV4_MARKER_DIR", "VLLM_DSV4_METRICS_DIR"}
 
 
 def _config() -> WorkspaceConfig:

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from vllm_dsv4_backend import eager, envs, testing
+from vllm_dsv4_backend import eager, envs, metrics, testing
 from vllm_dsv4_backend._logging import init_logger
 from vllm_dsv4_backend.formats.constants import layer_kind
 from vllm_dsv4_backend.layer.plan import Dims, build_workspace_config
@@ -74,6 +74,12 @@ MIB = 1 << 20
 # (id(vllm_config), id(model_key)) -> the model's workspace manager.
 _managers: dict[tuple[int, int], WorkspaceManager] = {}
 _managers_lock = threading.Lock()
+# A manager's /metrics labels (from vLLM's config, at creation) and its publisher
+# (at reservation): :mod:`vllm_dsv4_backend.metrics`.
+_metric_labels: weakref.WeakKeyDictionary[WorkspaceManager, dict[str, str]] = \
+    weakref.WeakKeyDictionary()
+_publishers: weakref.WeakKeyDictionary[WorkspaceManager, metrics.Publisher] = \
+    weakref.WeakKeyDictionary()
 
 
 # --- the link from a submodule (indexer, compressor) back to its layer -----------------
@@ -199,6 +205,7 @@ def manager_for(
             manager = make_workspace(workspace_config(vllm_config, layer, platform),
                                      device=device, streams=backend)
             _managers[key] = manager
+            _metric_labels[manager] = metrics.labels_from_vllm_config(vllm_config)
         return manager
 
 
@@ -239,6 +246,9 @@ def reserve_and_report(
         stats["num_ubatches"],
         stats["max_num_batched_tokens"],
     )
+    publisher = metrics.publisher_for(workspace, _metric_labels.get(workspace), platform)
+    if publisher is not None:
+        _publishers[workspace] = publisher
     return True
 
 
@@ -272,8 +282,8 @@ class RegionHolder:
     micro-batch id beyond the reservation is refused by the workspace.
     """
 
-    __slots__ = ("_counts_steps", "_homes", "_log_every", "_lookup", "_regions", "_seen",
-                 "layer_name", "platform", "workspace")
+    __slots__ = ("_counts_steps", "_homes", "_log_every", "_lookup", "_publisher", "_regions",
+                 "_seen", "layer_name", "platform", "workspace")
 
     def __init__(
         self, workspace: WorkspaceManager, layer_name: str, *, always_lookup: bool = False,
@@ -284,6 +294,9 @@ class RegionHolder:
         self.platform = platform
         self._log_every = envs.VLLM_DSV4_WORKSPACE_LOG_EVERY
         self._counts_steps: bool | None = None  # decided at the first open
+        # The /metrics publisher, held by the model's last layer (decided at the first open;
+        # False: not this layer, or no publisher).
+        self._publisher: metrics.Publisher | bool | None = None
         self._seen = 0  # model steps begun (the first layer's holder only)
         self._lookup = always_lookup or workspace.config.num_ubatches > 1
         self._regions: dict[int, eager.Region] = {}
@@ -324,6 +337,22 @@ class RegionHolder:
             finally:
                 self._regions.pop(ubatch, None)
                 self._homes.pop(ubatch, None)
+        if ubatch == 0:
+            self._publish()
+
+    def _publish(self) -> None:
+        """After the model's last layer (micro-batch 0, its leases released): the
+        step's figures to /metrics (:mod:`vllm_dsv4_backend.metrics`)."""
+        pub = self._publisher
+        if pub is None:
+            if not self.workspace.reserved:
+                return
+            layers = self.workspace.layers
+            last = next(reversed(layers)) if layers else None
+            pub = _publishers.get(self.workspace) if last == self.layer_name else None
+            self._publisher = pub = pub if pub is not None else False
+        if pub is not False and not metrics.safe_publish(pub):  # type: ignore[arg-type]
+            self._publisher = False
 
 
 def _log_at_shutdown(workspace: WorkspaceManager, label: str) -> None:
