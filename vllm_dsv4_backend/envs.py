@@ -66,6 +66,12 @@ Variables:
 ``VLLM_DSV4_TEST_PERTURB_SINK`` = a float (default unset)
     Test only: add this to layer 0's attention sink after loading (the
     parity test's negative control).
+``VLLM_DSV4_TEST_ORACLE_FAULT`` = ``off`` (default) | ``topk_off_by_one`` | ``compress_late``
+    Test only, the transformers oracle's negative controls (CPU layer):
+    ``topk_off_by_one`` makes every entry id of a C4 layer's top-k table one
+    less (each selected entry reads its predecessor, entry 0 none); ``compress_late``
+    makes compressed entry ``j`` visible one token late (``j < p // ratio``
+    instead of ``j < (p + 1) // ratio``, C4 and C128). Read on every step.
 """
 
 from __future__ import annotations
@@ -159,6 +165,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_DSV4_METRICS_DIR": _path("VLLM_DSV4_METRICS_DIR"),
     "VLLM_DSV4_TEST_UNSAFE_NO_FENCES": _flag("VLLM_DSV4_TEST_UNSAFE_NO_FENCES", False),
     "VLLM_DSV4_TEST_PERTURB_SINK": _float("VLLM_DSV4_TEST_PERTURB_SINK"),
+    "VLLM_DSV4_TEST_ORACLE_FAULT": _choice(
+        "VLLM_DSV4_TEST_ORACLE_FAULT", "off", ("off", "topk_off_by_one", "compress_late")
+    ),
 }
 
 if False:  # static names for type checkers and IDEs  # noqa: SIM108
@@ -174,6 +183,7 @@ if False:  # static names for type checkers and IDEs  # noqa: SIM108
     VLLM_DSV4_METRICS_DIR: str | None = None
     VLLM_DSV4_TEST_UNSAFE_NO_FENCES: bool = False
     VLLM_DSV4_TEST_PERTURB_SINK: float | None = None
+    VLLM_DSV4_TEST_ORACLE_FAULT: str = "off"
 
 
 def __getattr__(name: str) -> Any:

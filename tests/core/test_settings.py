@@ -38,6 +38,7 @@ BAD: dict[str, str] = {
     "VLLM_DSV4_METRICS": "sometimes",
     "VLLM_DSV4_TEST_UNSAFE_NO_FENCES": "maybe",
     "VLLM_DSV4_TEST_PERTURB_SINK": "a lot",
+    "VLLM_DSV4_TEST_ORACLE_FAULT": "topk_plus_two",
 }
 PATHS = {"VLLM_DSV4_MARKER_DIR", "VLLM_DSV4_METRICS_DIR"}
 
@@ -71,6 +72,11 @@ READERS: dict[str, list[Any]] = {
     ],
     "VLLM_DSV4_TEST_UNSAFE_NO_FENCES": [lambda: testing.fences_enabled()],
     "VLLM_DSV4_TEST_PERTURB_SINK": [lambda: testing.after_layer_loaded(_sink_layer())],
+    "VLLM_DSV4_TEST_ORACLE_FAULT": [
+        lambda: testing.compress_lag(),
+        lambda: testing.oracle_fault_topk(torch.zeros(1, 4, dtype=torch.int32),
+                                          torch.zeros(1, dtype=torch.int64), 4),
+    ],
 }
 
 

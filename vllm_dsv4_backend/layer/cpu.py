@@ -493,6 +493,11 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
                 self._indexer_topk_mxfp4(index_q, index_q_scale, index_weights, positions)
             # The indexer q's last consumer has run.
             self._region.release("indexer_q")
+        if self.compress_ratio == 4:
+            # Test only (the oracle's negative controls); returns at once when off.
+            n = q.shape[0]
+            testing.oracle_fault_topk(self.topk_indices_buffer[:n, : self.index_topk],
+                                      positions[:n], self.compress_ratio)
         self.forward_mqa(q, kv, positions, out)
         if not self._path_logged:
             self._log_path()
@@ -734,8 +739,9 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         num_tokens = positions.shape[0]
         device = positions.device
         width = -(-self.max_model_len // self.compress_ratio)
+        # compress_lag(): 0 unless a test shifts the boundary (negative control).
         num_compressed = torch.div(
-            positions + 1, self.compress_ratio, rounding_mode="floor"
+            positions + 1 - testing.compress_lag(), self.compress_ratio, rounding_mode="floor"
         ).clamp(max=width)
         arange_w = torch.arange(width, device=device)
         local_topk = torch.where(

@@ -14,6 +14,10 @@ turns it on:
   proves nothing).
 * ``VLLM_DSV4_TEST_UNSAFE_NO_FENCES``: the workspace skips its cross-stream
   fences (the load and stream tests show what that breaks).
+* ``VLLM_DSV4_TEST_ORACLE_FAULT``: C4 top-k entry ids off by one, or compressed
+  entries visible one token late: the transformers oracle's negative controls
+  (``tests/vllm/test_transformers_oracle.py``), each a one-off semantic error
+  that a comparison against an independent model must catch.
 * :mod:`.schedule`: the simulated DeepSeek-V4 stream fan-out the race tests
   drive the workspace with.
 
@@ -28,10 +32,15 @@ import multiprocessing
 import os
 from typing import Any
 
+import torch
+
 from vllm_dsv4_backend import envs
 from vllm_dsv4_backend._logging import init_logger
 
-__all__ = ["after_layer_forward", "after_layer_loaded", "fences_enabled", "record_layer"]
+__all__ = [
+    "after_layer_forward", "after_layer_loaded", "compress_lag", "fences_enabled",
+    "oracle_fault_topk", "record_layer",
+]
 
 logger = init_logger(__name__)
 
@@ -116,3 +125,26 @@ def after_layer_loaded(layer: Any) -> None:
     logger.warning("VLLM_DSV4_TEST_PERTURB_SINK=%s: shifting %s's sink (test only)", delta,
                    layer.prefix)
     layer.attn_sink.data += delta
+
+
+def compress_lag() -> int:
+    """Tokens by which compressed entries become visible late: 1 under
+    ``VLLM_DSV4_TEST_ORACLE_FAULT=compress_late``, else 0 (the C128 table uses
+    ``j < (p + 1 - lag) // ratio``)."""
+    return 1 if envs.VLLM_DSV4_TEST_ORACLE_FAULT == "compress_late" else 0
+
+
+def oracle_fault_topk(topk: torch.Tensor, positions: torch.Tensor, ratio: int) -> None:
+    """A C4 layer's local top-k table ``[T, index_topk]`` (entry ids, -1 pads)
+    right before the sparse MLA reads it, under ``VLLM_DSV4_TEST_ORACLE_FAULT``:
+    ``topk_off_by_one`` turns every id ``j`` into ``j - 1`` (each selected entry
+    reads its predecessor; entry 0 becomes -1, invalid); ``compress_late`` drops
+    every entry ``j >= p // ratio`` (the entry a token just completed)."""
+    fault = envs.VLLM_DSV4_TEST_ORACLE_FAULT
+    if fault == "off":
+        return
+    if fault == "topk_off_by_one":
+        topk.sub_((topk >= 0).to(topk.dtype))  # -1 pads stay -1; 0 -> -1
+        return
+    bound = torch.div(positions, ratio, rounding_mode="floor").to(topk.dtype).unsqueeze(-1)
+    topk.masked_fill_(topk >= bound, -1)
