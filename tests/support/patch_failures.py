@@ -28,6 +28,9 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
     "attention_layer": ("vllm_dsv4_backend.layer", "get_attention_layer_cls"),
     # Built when vLLM asks the plugin's SWA backend for its builder.
     "swa_unread_kernels": ("vllm_dsv4_backend.backend", "_cpu_swa_builder_cls"),
+    # Read at each model's workspace reservation.
+    "sleep_mode_workspace_pool": ("vllm_dsv4_backend.vllm_compat.sleep_mode",
+                                  "_vllm_alloc_context"),
 }
 # Entries a mode does not fail. mxfp4_indexer_cache is applied while the plugin's layer
 # is resolved: failing attention_layer in "before" would leave it unreached, so it is

@@ -57,7 +57,9 @@ from tests.support.patch_failures import (
 # only check the failure is caught: the fallbacks register torch ops (none where
 # vLLM's library has them all); the LLM hook applies only where LLM was imported
 # before arg_utils (test_other_models' engine covers it); the SWA builder is a class.
-CHANGES_NOTHING = frozenset({"cpu_op_fallbacks", "llm_attention_config", "swa_unread_kernels"})
+# sleep_mode_workspace_pool reads vLLM's workspace alloc context and replaces nothing.
+CHANGES_NOTHING = frozenset({"cpu_op_fallbacks", "llm_attention_config", "swa_unread_kernels",
+                             "sleep_mode_workspace_pool"})
 
 
 # ----------------------------------------------------------------------------
@@ -108,6 +110,11 @@ def _imports_worker(mode: str, out_path: str) -> None:
 
     inject(mode, [n for n in names if n != "attention_layer"], changed, elsewhere=True)
     swa_cls = backend.get_swa_builder_cls()
+    # Each model's workspace reservation reads vLLM's workspace alloc context.
+    from vllm_dsv4_backend.vllm_compat import sleep_mode
+
+    with sleep_mode.reservation_context():
+        pass
     from vllm.models.deepseek_v4.cpu.cpu_mla import DeepseekV4CPUSparseSWAMetadataBuilder
 
     def is_port(value: Any) -> bool:
@@ -186,6 +193,12 @@ def _strict_worker(out_path: str) -> None:
                 backend._cpu_swa_builder_cls = failing(
                     name, backend._cpu_swa_builder_cls, "after", exc, changed)
                 backend.get_swa_builder_cls()
+            elif name == "sleep_mode_workspace_pool":
+                from vllm_dsv4_backend.vllm_compat import sleep_mode
+
+                sleep_mode._vllm_alloc_context = failing(
+                    name, sleep_mode._vllm_alloc_context, "after", exc, changed)
+                sleep_mode.reservation_context()
             else:
                 per_entry[name] = {"raised": None, "untested": True}
                 continue

@@ -226,9 +226,13 @@ def reserve_and_report(
     """
     if workspace.reserved:
         return False
-    workspace.reserve(
-        budget_bytes=reserve_budget_bytes(workspace.device, memory_utilization)
-    )
+    budget = reserve_budget_bytes(workspace.device, memory_utilization)
+    # Where vLLM allocates its own workspace: under --enable-sleep-mode (CUDA) the
+    # "workspace" pool, discarded on sleep (registry entry sleep_mode_workspace_pool).
+    from vllm_dsv4_backend.vllm_compat import sleep_mode
+
+    with sleep_mode.reservation_context():
+        workspace.reserve(budget_bytes=budget)
     stats = workspace.stats()
     per_family = ", ".join(
         f"{fam} {nbytes / MIB:.1f}" for fam, nbytes in stats["reserved_bytes_per_family"].items()

@@ -55,6 +55,10 @@ Every platform:
 * ``attention_layer`` — make DeepSeek-V4 build the plugin's layer (the model
   picks its layer class itself); installed by
   :func:`~.attention.install_attention_layer` per ``VLLM_DSV4_ATTN_IMPL``.
+* ``sleep_mode_workspace_pool`` — the workspace is reserved inside the context
+  vLLM allocates its own workspace in: under ``--enable-sleep-mode`` (CUDA,
+  0.33 / 0.34) the ``workspace`` cuMem pool, discarded on sleep and mapped back
+  on wake-up, instead of the ``weights`` pool; no pool on CPU (:mod:`.sleep_mode`).
 
 Modules:
 

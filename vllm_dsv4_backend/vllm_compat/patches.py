@@ -376,6 +376,28 @@ PATCHES: dict[str, Patch] = {
             "vllm_compat.attention.install_attention_layer (which arms its own import hook)",
         ),
         Patch(
+            name="sleep_mode_workspace_pool",
+            why="Under --enable-sleep-mode vLLM 0.33/0.34 allocate their own workspace in the "
+            "cuMem pool tagged 'workspace' (scratch: unmapped without a host copy on sleep, "
+            "mapped back at the same addresses on wake-up); the plugin's reservation, made "
+            "while the model loads, would land in the 'weights' pool and be copied to host "
+            "memory on every sleep like a weight (RL frameworks sleep vLLM between rollouts).",
+            how="replaces nothing: the workspace reserves inside the context vLLM's own "
+            "workspace manager allocates in (current_workspace_manager()._alloc_context(), the "
+            "GPU worker's _maybe_get_memory_pool_context('workspace'): the pool under sleep "
+            "mode, a null context without the cuMem allocator and on CPU), after checking "
+            "init_workspace_manager / WorkspaceManager take alloc_context; no vLLM manager: "
+            "a plain reservation (vllm_compat.sleep_mode.reservation_context)",
+            upstream="vllm/v1/worker/workspace.py: WorkspaceManager._alloc_context; "
+            "vllm/v1/worker/gpu_worker.py: Worker._init_workspace_and_model_runner",
+            remove_when="the plugin's buffers are leased from vLLM's own workspace manager",
+            modules=("vllm.v1.worker.workspace",),
+            install=None,
+            armed=False,
+            applied_by="vllm_dsv4_backend.layer.core.reserve_and_report (each model's "
+            "reservation, through vllm_compat.sleep_mode.reservation_context)",
+        ),
+        Patch(
             name="pp_stage_kv_cache",
             why="Under --pipeline-parallel-size vLLM 0.32 gives a stage a KV cache tensor for "
             "another stage's layer when a KV cache group (a UniformTypeKVCacheSpecs) has none "
