@@ -26,6 +26,14 @@ its language model with ``init_vllm_registered_model(...,
 architectures=["DeepseekV4ForCausalLM"])``, so its attention layers are the
 same DeepSeek-V4 layers the plugin replaces; its hf_config is the text
 model's, flat, so :func:`check_settings` reads the same fields."""
+V41_ARCHITECTURES = ("DeepseekV41ForCausalLM",)
+"""DeepSeek-V4.1: vLLM (0.32 to 0.34) maps ``FLASHMLA_SPARSE_DSV4`` on it to V4.1's own
+attention class (``vllm.models.deepseek_v41.nvidia.model._select_dsv4_attn_cls`` returns
+``vllm.models.deepseek_v41.nvidia.flashmla.DeepseekV4FlashMLAAttention``, a V4.1 layer with
+its ``candidate_block_buffer``), which the plugin does not replace: the plugin stands aside
+with one log line (:func:`check_architecture`); under ``VLLM_DSV4_ATTN_IMPL=plugin`` that
+is a startup error."""
+_v41_logged: list[str] = []
 
 
 def check_architecture(vllm_config: Any) -> None:
@@ -38,12 +46,36 @@ def check_architecture(vllm_config: Any) -> None:
     archs = list(getattr(model_config, "architectures", None) or [])
     if any(a in SUPPORTED_ARCHITECTURES for a in archs):
         return
+    v41 = [a for a in archs if a in V41_ARCHITECTURES]
+    if v41:
+        _stand_aside_for_v41(v41[0], model_config)
+        return
     raise ValueError(
         f"--attention-backend {BACKEND_NAME} (vllm_dsv4_backend) serves only DeepSeek-V4 "
         f"(architectures {list(SUPPORTED_ARCHITECTURES)}); model {model_config.model!r} has "
         f"architectures {archs}. Drop --attention-backend to let vLLM choose a backend for "
         "this model."
     )
+
+
+def _stand_aside_for_v41(arch: str, model_config: Any) -> None:
+    """DeepSeek-V4.1 on ``FLASHMLA_SPARSE_DSV4``: vLLM's own V4.1 path, said once per
+    process (an error under ``VLLM_DSV4_ATTN_IMPL=plugin``)."""
+    from vllm_dsv4_backend import envs
+    from vllm_dsv4_backend._logging import init_logger
+
+    why = (f"{arch} (model {getattr(model_config, 'model', '?')!r}) is DeepSeek-V4.1: vLLM "
+           f"maps --attention-backend {BACKEND_NAME} on it to V4.1's own attention layer "
+           "(vllm.models.deepseek_v41), which keeps its cross-layer buffers "
+           "(topk_indices_buffer, candidate_block_buffer); the plugin's layer and workspace "
+           "serve DeepSeek-V4 only")
+    if envs.VLLM_DSV4_ATTN_IMPL == "plugin":
+        raise ValueError(f"{why}. VLLM_DSV4_ATTN_IMPL=plugin asks for the plugin's layer: "
+                         "unset it to serve DeepSeek-V4.1 with vLLM's own layer")
+    if arch not in _v41_logged:
+        _v41_logged.append(arch)
+        init_logger(__name__).warning("vllm_dsv4_backend stands aside: %s; vLLM's own "
+                                      "DeepSeek-V4.1 layer serves", why)
 
 
 def _block_of(hf_config: Any) -> int:

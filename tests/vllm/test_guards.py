@@ -116,8 +116,9 @@ def test_dsv4_vision_variant_with_the_flag_passes():
                               cfg)
 
 
-@pytest.mark.parametrize("archs", [["DeepseekV3ForCausalLM"], ["DeepseekV41ForCausalLM"],
-                                   ["LlamaForCausalLM"], []])
+# DeepseekV41ForCausalLM is not refused: vLLM serves it with V4.1's own layer and the
+# plugin stands aside with one line (issue 41; tests/cuda/test_cross_layer_buffers.py).
+@pytest.mark.parametrize("archs", [["DeepseekV3ForCausalLM"], ["LlamaForCausalLM"], []])
 def test_non_dsv4_architectures_are_still_refused(archs):
     from vllm_dsv4_backend import guards
 
