@@ -231,6 +231,8 @@ def _register() -> None:
             ppid=os.getppid(),
             process_name=multiprocessing.current_process().name,
             plugin_version=__version__,
+            # Where this process imported the plugin from (an installed wheel or a checkout).
+            package_dir=os.path.dirname(os.path.abspath(__file__)),
             vllm_version=vllm_version,
             platform=platform,
         )
