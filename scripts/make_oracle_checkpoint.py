@@ -177,6 +177,27 @@ def deepseek_state_dict(cfg: dict[str, Any], seed: int) -> dict[str, Any]:
     return out
 
 
+def hf_to_deepseek(hf_state: dict[str, Any]) -> dict[str, Any]:
+    """A transformers ``DeepseekV4ForCausalLM`` state dict (real values, e.g. a
+    trained model: ``scripts/train_tiny_dsv4.py``) under DeepSeek's names, the
+    stacked experts split per expert as :func:`deepseek_state_dict` lays them out."""
+    out: dict[str, Any] = {}
+    for hf_name, t in hf_state.items():
+        if hf_name.endswith("experts.gate_up_proj"):  # [E, 2I, H] = cat(w1, w3) per expert
+            base = to_deepseek_name(hf_name.removesuffix("gate_up_proj"))
+            inter = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.w1.weight"] = t[e, :inter]
+                out[f"{base}{e}.w3.weight"] = t[e, inter:]
+        elif hf_name.endswith("experts.down_proj"):  # [E, H, I]
+            base = to_deepseek_name(hf_name.removesuffix("down_proj"))
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.w2.weight"] = t[e]
+        else:
+            out[to_deepseek_name(hf_name)] = t
+    return out
+
+
 def write(out_dir: Path, seed: int = SEED) -> Path:
     """Write config, tokenizer and ``model.safetensors`` into ``out_dir``."""
     from safetensors.torch import save_file

@@ -1,0 +1,339 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Train a tiny DeepSeek-V4 on CPU (transformers' model, autograd) so accuracy gates
+measure something (issue 40 item 3).
+
+The checkpoint's shapes are those of ``configs/tiny-dsv4`` (FlashMLA-legal head_dim
+512 = 448 + 64, 8 heads, 1 KV head, indexer 64 x 128, layers SWA / C4 / C128 / C4,
+sliding window 128, index_topk 512) with three sizes cut so the bf16 file fits in
+the repository (<= 20 MB): 4 routed experts (top 2) instead of 64 (top 6) and
+q_lora_rank 64 instead of 128. It is
+written under DeepSeek's checkpoint names by ``scripts/make_oracle_checkpoint.py``'s
+mapping (imported, not copied), so vLLM's loader and transformers both read it.
+
+Tasks (plain text through the tiny BPE tokenizer; each record is exactly 4 tokens,
+so record j fills C4 entry j and a record never straddles two entries):
+
+* ``kv``: 48 records ``KQZ;`` (key: two capitals, value: one of 36 digits/capitals),
+  then queries ``?KQZ``; the loss is on the value token of each query. The query
+  sits at position ~193; records 0..15 lie wholly behind the 128-token sliding
+  window, so only the compressed (C4 / C128) entries carry them: a wrong top-k
+  entry, a compress boundary or a stale KV row changes the answer.
+* ``copy``: ``@K7QZ=K7QZ;`` packed into the same length; the loss is on the copied
+  characters and the closing ``;`` (several decode steps in serving).
+
+Not trained: retrieval past the indexer's top-k span (index_topk 512 x 4 = 2048
+tokens: vLLM 0.32's CPU top-k accepts only 512). Below the span every compressed
+entry is selected, the indexer's scores do not matter and get no gradient (the
+top-k is discrete); 2048-token sequences are beyond this CPU budget (see
+docs/correctness.md).
+
+Fixed seed, one thread (bit-for-bit rebuilds on the same machine kind). Usage::
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/train_tiny_dsv4.py --dry-run 120
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/train_tiny_dsv4.py --steps N \\
+        --out configs/tiny-dsv4-trained
+    .venv/bin/python scripts/train_tiny_dsv4.py --eval-only --out configs/tiny-dsv4-trained
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import shutil
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import make_oracle_checkpoint as mk  # noqa: E402  (the one name mapping)
+
+SEED = 40
+N_RECORDS = 48
+N_QUERIES = 8
+SEQ_LEN = 4 * (N_RECORDS + N_QUERIES)  # 224
+KEY_CHARS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+VAL_CHARS = "0123456789" + KEY_CHARS
+COPY_CHARS = KEY_CHARS + "0123456789"
+WINDOW = 128
+# cut from configs/tiny-dsv4 to fit 20 MB in bf16 (12.9 M -> 9.2 M parameters); the
+# attention's FlashMLA dims (head_dim, rope dim, heads, window, indexer) are untouched
+OVERRIDES: dict[str, Any] = {"n_routed_experts": 4, "num_experts_per_tok": 2, "q_lora_rank": 64}
+
+
+# ---------------------------------------------------------------------------------------
+# tasks (text, so vLLM and lm_eval see exactly what training saw)
+# ---------------------------------------------------------------------------------------
+def kv_records(rng: random.Random, n: int = N_RECORDS) -> list[tuple[str, str]]:
+    keys: set[str] = set()
+    while len(keys) < n:
+        keys.add(rng.choice(KEY_CHARS) + rng.choice(KEY_CHARS))
+    return [(k, rng.choice(VAL_CHARS)) for k in sorted(keys, key=lambda _: rng.random())]
+
+
+def kv_text(records: Sequence[tuple[str, str]]) -> str:
+    return "".join(f"{k}{v};" for k, v in records)
+
+
+def kv_doc(rng: random.Random, far: bool) -> dict[str, Any]:
+    """One eval doc: the records and one query, ``far`` = the record lies wholly
+    outside the query's sliding window (record index < 16), else one of the last 16."""
+    recs = kv_records(rng)
+    j = rng.randrange(0, 16) if far else rng.randrange(N_RECORDS - 16, N_RECORDS)
+    k, v = recs[j]
+    prompt = kv_text(recs) + "?" + k
+    # the query's last token sits at 4 * N_RECORDS + 2; record j ends at 4 j + 3
+    dist = 4 * N_RECORDS + 2 - (4 * j + 3)
+    assert (dist >= WINDOW) == far, (j, dist)
+    return {"prompt": prompt, "answer": v, "record": j, "distance": dist}
+
+
+def copy_item(rng: random.Random) -> tuple[str, str]:
+    s = "".join(rng.choice(COPY_CHARS) for _ in range(rng.randint(3, 8)))
+    return f"@{s}=", f"{s};"
+
+
+def copy_doc(rng: random.Random) -> dict[str, Any]:
+    p, a = copy_item(rng)
+    return {"prompt": p, "answer": a[:-1]}
+
+
+def train_example(rng: random.Random) -> tuple[str, list[tuple[int, int]]]:
+    """(text, [(char_start, char_end), ...] of the loss targets). Every char is one token."""
+    if rng.random() < 0.75:
+        recs = kv_records(rng)
+        text = kv_text(recs)
+        spans = []
+        for j in rng.sample(range(N_RECORDS), N_QUERIES):
+            k, v = recs[j]
+            text += f"?{k}"
+            spans.append((len(text), len(text) + 1))
+            text += v
+        return text, spans
+    text, spans = "", []
+    while True:
+        p, a = copy_item(rng)
+        if len(text) + len(p) + len(a) > SEQ_LEN:
+            break
+        text += p
+        spans.append((len(text), len(text) + len(a)))
+        text += a
+    text += ";" * (SEQ_LEN - len(text))
+    return text, spans
+
+
+# ---------------------------------------------------------------------------------------
+# model
+# ---------------------------------------------------------------------------------------
+def trained_config(seed: int = SEED) -> dict[str, Any]:
+    cfg = mk.oracle_config(seed)
+    cfg.pop("vllm_dsv4_oracle_checkpoint", None)
+    cfg.update(OVERRIDES)
+    cfg["vllm_dsv4_trained"] = {"script": "scripts/train_tiny_dsv4.py", "seed": seed}
+    return cfg
+
+
+def char_ids(tok: Any) -> dict[str, int]:
+    """char -> token id, checked: every training char is its own token."""
+    table = {}
+    for c in set(KEY_CHARS + VAL_CHARS + COPY_CHARS + ";?@="):
+        ids = tok(c, add_special_tokens=False)["input_ids"]
+        assert len(ids) == 1, (c, ids)
+        table[c] = ids[0]
+    return table
+
+
+def encode(tok: Any, table: dict[str, int], text: str) -> list[int]:
+    ids = [table[c] for c in text]
+    # the tokenizer must agree (no BPE merge among these chars): what serving will see
+    assert tok(text, add_special_tokens=False)["input_ids"] == ids, text[:40]
+    return ids
+
+
+def batches(tok: Any, seed: int, batch: int) -> Iterator[tuple[Any, Any]]:
+    import torch
+
+    table = char_ids(tok)
+    rng = random.Random(seed)
+    while True:
+        xs, ys = [], []
+        for _ in range(batch):
+            text, spans = train_example(rng)
+            ids = [table[c] for c in text]
+            lab = [-100] * len(ids)
+            for a, b in spans:
+                for i in range(a, b):
+                    lab[i] = ids[i]
+            xs.append(ids)
+            ys.append(lab)
+        yield torch.tensor(xs), torch.tensor(ys)
+
+
+def build_model(cfg: dict[str, Any], seed: int) -> Any:
+    import torch
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    torch.manual_seed(seed)
+    hf_cfg = DeepseekV4Config(**{k: v for k, v in cfg.items() if k != "architectures"})
+    model = DeepseekV4ForCausalLM._from_config(hf_cfg, attn_implementation="eager",
+                                               dtype=torch.float32)
+    # DeepSeek's tid2eid: the hash layer's token -> experts table, seeded and fixed
+    for name, buf in model.named_buffers():
+        if name.endswith("tid2eid"):
+            g = torch.Generator().manual_seed(seed)
+            n = cfg["n_routed_experts"]
+            buf.copy_(torch.stack([torch.randperm(n, generator=g)[: buf.shape[1]]
+                                   for _ in range(buf.shape[0])]))
+    return model
+
+
+def save(model: Any, cfg: dict[str, Any], out: Path) -> int:
+    import torch
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    sd = mk.hf_to_deepseek(model.state_dict())
+    sd = {k: (v.to(torch.bfloat16) if v.dtype.is_floating_point else v).contiguous()
+          for k, v in sd.items()}
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    for f in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(mk.TINY / f, out / f)
+    return (out / "model.safetensors").stat().st_size
+
+
+# ---------------------------------------------------------------------------------------
+# evaluation in transformers (greedy, what the lm_eval tasks ask)
+# ---------------------------------------------------------------------------------------
+def greedy(model: Any, tok: Any, table: dict[str, int], prompt: str, n: int) -> str:
+    import torch
+
+    inv = {v: k for k, v in table.items()}
+    ids = encode(tok, table, prompt)
+    out = ""
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1]
+            t = int(logits.argmax())
+            c = inv.get(t, "\x00")
+            if c in ";?":
+                break
+            out += c
+            ids.append(t)
+    return out
+
+
+def eval_docs(seed: int, n: int) -> dict[str, list[dict[str, Any]]]:
+    """The lm_eval tasks' docs (configs/lm_eval/tasks/data/): a seed apart from training."""
+    rng = random.Random(seed)
+    return {"dsv4_kv_far": [kv_doc(rng, True) for _ in range(n)],
+            "dsv4_kv_near": [kv_doc(rng, False) for _ in range(n)],
+            "dsv4_copy": [copy_doc(rng) for _ in range(n)]}
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return max(0.0, c - h), min(1.0, c + h)
+
+
+def evaluate(model: Any, tok: Any, docs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    table = char_ids(tok)
+    model.eval()
+    res = {}
+    for task, ds in docs.items():
+        n_gen = 2 if task != "dsv4_copy" else 10
+        ok = sum(greedy(model, tok, table, d["prompt"], n_gen) == d["answer"] for d in ds)
+        lo, hi = wilson(ok, len(ds))
+        res[task] = {"acc": ok / len(ds), "n": len(ds), "wilson95": [lo, hi]}
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "configs" / "tiny-dsv4-trained")
+    ap.add_argument("--seed", type=int, default=SEED)
+    ap.add_argument("--steps", type=int, default=520)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--dry-run", type=float, default=0.0, metavar="S",
+                    help="train for S seconds, print steps/s, write nothing")
+    ap.add_argument("--eval-only", action="store_true")
+    ap.add_argument("--eval-n", type=int, default=64)
+    ap.add_argument("--log-every", type=int, default=25)
+    args = ap.parse_args(argv)
+
+    import torch
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(1)  # the box is shared; also makes the run reproducible
+    tok = AutoTokenizer.from_pretrained(str(mk.TINY))
+    docs = eval_docs(args.seed + 1, args.eval_n)
+    if args.eval_only:
+        model = mk.load_transformers(args.out)
+        print(json.dumps(evaluate(model, tok, docs), indent=1))
+        return 0
+    cfg = trained_config(args.seed)
+    model = build_model(cfg, args.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"[train] params {n_params / 1e6:.2f} M, seq {SEQ_LEN}, batch {args.batch}", flush=True)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    other = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
+                             {"params": other, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95))
+    warm = max(1, min(100, args.steps // 10))
+
+    def lr_at(step: int) -> float:
+        if step < warm:
+            return args.lr * (step + 1) / warm
+        t = (step - warm) / max(1, args.steps - warm)
+        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+    model.train()
+    t0 = time.perf_counter()
+    it = batches(tok, args.seed, args.batch)
+    ema = None
+    step = 0
+    for step in range(args.steps):
+        x, y = next(it)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        out = model(input_ids=x, labels=y, use_cache=False)
+        loss = out.loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        el = time.perf_counter() - t0
+        if step % args.log_every == 0:
+            print(f"[train] step {step} loss {loss.item():.4f} ema {ema:.4f} "
+                  f"{(step + 1) / el:.3f} steps/s", flush=True)
+        if args.dry_run and el > args.dry_run:
+            break
+    el = time.perf_counter() - t0
+    print(f"[train] {step + 1} steps in {el:.0f} s: {(step + 1) / el:.3f} steps/s", flush=True)
+    if args.dry_run:
+        return 0
+    size = save(model, cfg, args.out)
+    print(f"[train] wrote {args.out} ({size / 2**20:.2f} MiB)", flush=True)
+    model = mk.load_transformers(args.out)  # what ships: the bf16 file, read back
+    res = evaluate(model, tok, docs)
+    res["_train"] = {"steps": step + 1, "seconds": round(el), "seed": args.seed,
+                     "batch": args.batch, "lr": args.lr, "final_loss_ema": ema}
+    (args.out / "train_report.json").write_text(json.dumps(res, indent=1) + "\n")
+    print(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
