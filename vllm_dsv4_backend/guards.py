@@ -58,6 +58,57 @@ def check_architecture(vllm_config: Any) -> None:
     )
 
 
+RAY_DOC = "docs/parallel.md#ray-multi-node"
+_ray_warned: list[str] = []
+
+
+def uses_ray(parallel_config: Any) -> bool:
+    """Whether vLLM will run the Ray executor (``--distributed-executor-backend ray``)."""
+    backend = getattr(parallel_config, "distributed_executor_backend", None)
+    name = backend if isinstance(backend, str) else getattr(backend, "__name__", "")
+    return name == "ray" or name.startswith("Ray")
+
+
+def ray_problem(platform: Any) -> str | None:
+    """Why vLLM's ``platform`` cannot run the Ray executor (``None``: it can): vLLM's
+    ``initialize_ray_cluster`` asks the platform for its Ray device key (``GPU`` on CUDA,
+    ROCm, XPU) to build the placement group's bundles and raises ``ValueError: current
+    platform <name> does not support ray.`` when it is empty, after ``ray.init`` has
+    started or joined a cluster; vLLM 0.32's CPU platform declares none."""
+    if getattr(platform, "ray_device_key", ""):
+        return None
+    name = getattr(platform, "device_name", "?")
+    return (f"vLLM's {name} platform cannot run the Ray executor (--distributed-executor-"
+            f"backend ray): it declares no Ray device key (Platform.ray_device_key is empty), "
+            f"so vLLM's initialize_ray_cluster stops the engine with 'current platform {name} "
+            "does not support ray.' after starting a Ray cluster. Serve with the "
+            "multiprocessing executor (the default; PP, TP x PP and DP on one machine, "
+            f"{RAY_DOC})")
+
+
+def check_executor(vllm_config: Any) -> None:
+    """Say at startup, before Ray starts, that this platform cannot run the Ray executor:
+    a ``ValueError`` for DeepSeek-V4 on ``FLASHMLA_SPARSE_DSV4``, one WARNING for other
+    models (vLLM's own error follows; the plugin changes nothing for them)."""
+    if not uses_ray(vllm_config.parallel_config):
+        return
+    from vllm.platforms import current_platform
+
+    problem = ray_problem(current_platform)
+    if problem is None:
+        return
+    backend = vllm_config.attention_config.backend
+    archs = list(getattr(vllm_config.model_config, "architectures", None) or [])
+    if (backend is not None and getattr(backend, "name", str(backend)) == BACKEND_NAME
+            and any(a in SUPPORTED_ARCHITECTURES for a in archs)):
+        raise ValueError(f"{problem} (vllm_dsv4_backend)")
+    if problem not in _ray_warned:
+        _ray_warned.append(problem)
+        from vllm_dsv4_backend._logging import init_logger
+
+        init_logger(__name__).warning("vllm_dsv4_backend: %s", problem)
+
+
 def _stand_aside_for_v41(arch: str, model_config: Any) -> None:
     """DeepSeek-V4.1 on ``FLASHMLA_SPARSE_DSV4``: vLLM's own V4.1 path, said once per
     process (an error under ``VLLM_DSV4_ATTN_IMPL=plugin``)."""
@@ -186,6 +237,7 @@ def install_hook(arg_utils: ModuleType, on_applied: Callable[[str], None]) -> bo
         try:
             check_architecture(config)
             check_settings(self, config)
+            check_executor(config)
         except ValueError:
             raise  # the refusals themselves
         except Exception as e:  # noqa: BLE001 - runs for every model: a moved vLLM field

@@ -126,3 +126,39 @@ def test_non_dsv4_architectures_are_still_refused(archs):
                                          r"\['DeepseekV4ForCausalLM', "
                                          r"'DeepseekV4ForConditionalGeneration'\]\)"):
         guards.check_architecture(_stub_config(archs))
+
+
+def test_ray_executor_on_cpu_is_refused_at_startup_with_the_reason(caplog, monkeypatch):
+    """vLLM 0.32's CPU platform cannot run ``--distributed-executor-backend ray`` (issue 41,
+    docs/parallel.md): the plugin says why when vLLM builds the engine config, before a Ray
+    cluster is started (a ValueError for DeepSeek-V4 on the backend, a WARNING otherwise)."""
+    import inspect
+    import logging
+
+    from vllm.platforms import current_platform
+    from vllm.v1.executor import ray_utils
+
+    from vllm_dsv4_backend import guards
+
+    # The vLLM facts the message states.
+    assert current_platform.is_cpu() and current_platform.ray_device_key == ""
+    src = inspect.getsource(ray_utils.initialize_ray_cluster)
+    assert "ray_device_key" in src and "does not support ray." in src
+    cfg = _stub_config(["DeepseekV4ForCausalLM"])
+    guards.check_executor(cfg)  # no Ray: nothing to say
+    cfg.parallel_config.distributed_executor_backend = "ray"
+    with pytest.raises(ValueError, match=r"cannot run the Ray executor .*ray_device_key is "
+                                         r"empty.*'current platform cpu does not support ray\.'"):
+        guards.check_executor(cfg)
+    monkeypatch.setattr(guards, "_ray_warned", [])
+    other = _stub_config(["LlamaForCausalLM"], backend="CPU_ATTN")
+    other.parallel_config.distributed_executor_backend = "ray"
+    with caplog.at_level(logging.WARNING, logger="vllm_dsv4_backend"):
+        guards.check_executor(other)  # other models: one line, vLLM decides
+        guards.check_executor(other)
+    # (a record forwarded to vLLM's handlers may reach caplog twice: count distinct ones)
+    lines = {(r.getMessage(), r.created) for r in caplog.records
+             if "cannot run the Ray executor" in r.getMessage()}
+    assert len(lines) == 1, lines
+    # A platform with a Ray device key (CUDA's "GPU") is left alone.
+    assert guards.ray_problem(type("P", (), {"ray_device_key": "GPU"})()) is None

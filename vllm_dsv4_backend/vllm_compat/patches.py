@@ -312,7 +312,10 @@ PATCHES: dict[str, Patch] = {
             "for other models, and a CUDA build would build a generic layer on a "
             "DeepSeek-V4-only backend: the user gets a clear startup error instead.",
             how="wraps EngineArgs.create_engine_config: after vLLM builds the config, "
-            "guards.check_architecture refuses the backend for non-DeepSeek-V4 architectures",
+            "guards.check_architecture refuses the backend for non-DeepSeek-V4 architectures "
+            "(DeepSeek-V4.1: one line, vLLM's own layer), guards.check_settings the flags it "
+            "cannot honour, guards.check_executor the Ray executor on a platform without a Ray "
+            "device key (vLLM 0.32's CPU platform: refused for DeepSeek-V4, a warning otherwise)",
             upstream="vllm/engine/arg_utils.py: EngineArgs.create_engine_config",
             remove_when="vLLM validates a backend against the model architecture",
             modules=("vllm.engine.arg_utils",),
