@@ -32,7 +32,8 @@ Fixed seed, one thread (bit-for-bit rebuilds on the same machine kind). Usage::
     OMP_NUM_THREADS=1 .venv/bin/python scripts/train_tiny_dsv4.py --dry-run 120
     OMP_NUM_THREADS=1 .venv/bin/python scripts/train_tiny_dsv4.py --steps N \\
         --out configs/tiny-dsv4-trained
-    .venv/bin/python scripts/train_tiny_dsv4.py --eval-only --out configs/tiny-dsv4-trained
+    .venv/bin/python scripts/train_tiny_dsv4.py --write-tasks 100      # the lm_eval docs
+    .venv/bin/python scripts/train_tiny_dsv4.py --eval-only [--limit N] [--results-json F]
 """
 
 from __future__ import annotations
@@ -235,6 +236,42 @@ def eval_docs(seed: int, n: int) -> dict[str, list[dict[str, Any]]]:
             "dsv4_copy": [copy_doc(rng) for _ in range(n)]}
 
 
+TASKS_DIR = ROOT / "configs" / "lm_eval" / "tasks"
+
+
+def write_tasks(seed: int, n: int, tasks_dir: Path = TASKS_DIR) -> None:
+    """The lm_eval tasks' JSONL docs (``dsv4_<name>`` reads ``data/trained_<name>.jsonl``)."""
+    (tasks_dir / "data").mkdir(parents=True, exist_ok=True)
+    for task, ds in eval_docs(seed, n).items():
+        name = task.removeprefix("dsv4_")
+        with open(tasks_dir / "data" / f"trained_{name}.jsonl", "w") as f:
+            for d in ds:
+                f.write(json.dumps(d, sort_keys=True) + "\n")
+
+
+def read_tasks(limit: int | None, tasks_dir: Path = TASKS_DIR) -> dict[str, list[dict[str, Any]]]:
+    out = {}
+    for name in ("kv_far", "kv_near", "copy"):
+        path = tasks_dir / "data" / f"trained_{name}.jsonl"
+        rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        out[f"dsv4_{name}"] = rows[:limit] if limit else rows
+    return out
+
+
+def lm_eval_results(res: dict[str, Any]) -> dict[str, Any]:
+    """transformers' scores as an lm_eval ``results`` table (what ``vllm-dsv4-run
+    compare-eval`` / ``serve-eval --baseline`` read); stderr as lm_eval's (n - 1)."""
+    table = {}
+    for task, r in res.items():
+        if task.startswith("_"):
+            continue
+        p, n = r["acc"], r["n"]
+        table[task] = {"alias": task, "exact_match,none": p,
+                       "exact_match_stderr,none": math.sqrt(p * (1 - p) / max(n - 1, 1))}
+    return {"results": table, "model": "transformers DeepseekV4ForCausalLM fp32",
+            "per_doc": {t: r.get("per_doc") for t, r in res.items() if not t.startswith("_")}}
+
+
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     if n == 0:
         return 0.0, 1.0
@@ -251,9 +288,11 @@ def evaluate(model: Any, tok: Any, docs: dict[str, list[dict[str, Any]]]) -> dic
     res = {}
     for task, ds in docs.items():
         n_gen = 2 if task != "dsv4_copy" else 10
-        ok = sum(greedy(model, tok, table, d["prompt"], n_gen) == d["answer"] for d in ds)
+        per_doc = [greedy(model, tok, table, d["prompt"], n_gen) for d in ds]
+        ok = sum(g == d["answer"] for g, d in zip(per_doc, ds))
         lo, hi = wilson(ok, len(ds))
-        res[task] = {"acc": ok / len(ds), "n": len(ds), "wilson95": [lo, hi]}
+        res[task] = {"acc": ok / len(ds), "n": len(ds), "wilson95": [lo, hi],
+                     "per_doc": per_doc}
     return res
 
 
@@ -269,6 +308,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-only", action="store_true")
     ap.add_argument("--eval-n", type=int, default=64)
     ap.add_argument("--log-every", type=int, default=25)
+    ap.add_argument("--write-tasks", type=int, default=0, metavar="N",
+                    help="write N docs per lm_eval task into configs/lm_eval/tasks/data and exit")
+    ap.add_argument("--limit", type=int, default=None,
+                    help="--eval-only: the first N docs of each task's JSONL")
+    ap.add_argument("--results-json", type=Path, default=None,
+                    help="--eval-only: write transformers' scores as an lm_eval results JSON")
     args = ap.parse_args(argv)
 
     import torch
@@ -276,10 +321,19 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)  # the box is shared; also makes the run reproducible
     tok = AutoTokenizer.from_pretrained(str(mk.TINY))
+    if args.write_tasks:
+        write_tasks(args.seed + 1, args.write_tasks)
+        return 0
     docs = eval_docs(args.seed + 1, args.eval_n)
     if args.eval_only:
+        # the lm_eval tasks' own docs, scored as the tasks score them (exact match)
         model = mk.load_transformers(args.out)
-        print(json.dumps(evaluate(model, tok, docs), indent=1))
+        res = evaluate(model, tok, read_tasks(args.limit))
+        if args.results_json:
+            args.results_json.parent.mkdir(parents=True, exist_ok=True)
+            args.results_json.write_text(json.dumps(lm_eval_results(res), indent=1) + "\n")
+        print(json.dumps({t: {k: v for k, v in r.items() if k != "per_doc"}
+                          for t, r in res.items()}, indent=1))
         return 0
     cfg = trained_config(args.seed)
     model = build_model(cfg, args.seed)

@@ -67,11 +67,17 @@ Variables:
     Test only: add this to layer 0's attention sink after loading (the
     parity test's negative control).
 ``VLLM_DSV4_TEST_ORACLE_FAULT`` = ``off`` (default) | ``topk_off_by_one`` | ``compress_late``
+| ``stale_kv`` | ``alias49236``
     Test only, the transformers oracle's negative controls (CPU layer):
     ``topk_off_by_one`` makes every entry id of a C4 layer's top-k table one
     less (each selected entry reads its predecessor, entry 0 none); ``compress_late``
     makes compressed entry ``j`` visible one token late (``j < p // ratio``
     instead of ``j < (p + 1) // ratio``, C4 and C128). Read on every step.
+    The trained model's lm_eval gates (issue 40 item 4) add two: ``stale_kv``
+    (the sliding-window read misses every row the step itself wrote, as a
+    read that ran before the step's KV insert landed) and ``alias49236``
+    (vLLM #49236's layout, aux families at one offset: the indexer q's bytes
+    land over the C4 top-k table before the sparse MLA reads it).
 """
 
 from __future__ import annotations
@@ -166,7 +172,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_DSV4_TEST_UNSAFE_NO_FENCES": _flag("VLLM_DSV4_TEST_UNSAFE_NO_FENCES", False),
     "VLLM_DSV4_TEST_PERTURB_SINK": _float("VLLM_DSV4_TEST_PERTURB_SINK"),
     "VLLM_DSV4_TEST_ORACLE_FAULT": _choice(
-        "VLLM_DSV4_TEST_ORACLE_FAULT", "off", ("off", "topk_off_by_one", "compress_late")
+        "VLLM_DSV4_TEST_ORACLE_FAULT", "off",
+        ("off", "topk_off_by_one", "compress_late", "stale_kv", "alias49236"),
     ),
 }
 

@@ -446,6 +446,8 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
                 kv_score = None
                 if self.compressor is not None:
                     kv_score = self.compressor.fused_wkv_wgate(hidden_states).to(torch.float32)
+                    if self.compress_ratio == 4:
+                        testing.note_compressor_scratch(kv_score)  # test only; off: returns
                 indexer_weights = indexer_kv_score = None
                 if self.indexer is not None:
                     indexer_weights, _ = self.indexer.weights_proj(hidden_states)
@@ -626,6 +628,9 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         window_slots = tables.get(
             "window", swa_md, positions, lambda: self._window_slots(swa_md, positions)
         )
+        # Test only (a negative control: a stale read); the same table when off.
+        window_slots = testing.oracle_fault_window(window_slots, positions,
+                                                   swa_md.token_to_req_indices)
         swa_cache = self.swa_cache_layer.kv_cache
         window_cache_2d = swa_cache.view(swa_cache.shape[0], -1)
         if self.compress_ratio <= 1:

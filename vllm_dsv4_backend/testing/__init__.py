@@ -17,7 +17,9 @@ turns it on:
 * ``VLLM_DSV4_TEST_ORACLE_FAULT``: C4 top-k entry ids off by one, or compressed
   entries visible one token late: the transformers oracle's negative controls
   (``tests/vllm/test_transformers_oracle.py``), each a one-off semantic error
-  that a comparison against an independent model must catch.
+  that a comparison against an independent model must catch; ``stale_kv`` and
+  ``alias49236``: the trained model's lm_eval gates' controls
+  (``tests/vllm/test_lm_eval_trained.py``).
 * :mod:`.schedule`: the simulated DeepSeek-V4 stream fan-out the race tests
   drive the workspace with.
 
@@ -39,7 +41,7 @@ from vllm_dsv4_backend._logging import init_logger
 
 __all__ = [
     "after_layer_forward", "after_layer_loaded", "compress_lag", "fences_enabled",
-    "oracle_fault_topk", "record_layer",
+    "note_compressor_scratch", "oracle_fault_topk", "oracle_fault_window", "record_layer",
 ]
 
 logger = init_logger(__name__)
@@ -134,17 +136,78 @@ def compress_lag() -> int:
     return 1 if envs.VLLM_DSV4_TEST_ORACLE_FAULT == "compress_late" else 0
 
 
+_compressor_scratch: torch.Tensor | None = None
+
+
+def note_compressor_scratch(kv_score: torch.Tensor) -> None:
+    """Under ``VLLM_DSV4_TEST_ORACLE_FAULT=alias49236``: keep the C4 compressor's
+    scratch (its fp32 kv/score projection) of the current layer step, the bytes
+    #49236's pool put at the top-k table's offset (:func:`_alias_over_topk`)."""
+    global _compressor_scratch
+    if envs.VLLM_DSV4_TEST_ORACLE_FAULT == "alias49236":
+        _compressor_scratch = kv_score
+
+
 def oracle_fault_topk(topk: torch.Tensor, positions: torch.Tensor, ratio: int) -> None:
     """A C4 layer's local top-k table ``[T, index_topk]`` (entry ids, -1 pads)
     right before the sparse MLA reads it, under ``VLLM_DSV4_TEST_ORACLE_FAULT``:
     ``topk_off_by_one`` turns every id ``j`` into ``j - 1`` (each selected entry
     reads its predecessor; entry 0 becomes -1, invalid); ``compress_late`` drops
-    every entry ``j >= p // ratio`` (the entry a token just completed)."""
+    every entry ``j >= p // ratio`` (the entry a token just completed);
+    ``alias49236`` writes the layer's compressor scratch over the table, see
+    :func:`_alias_over_topk`."""
     fault = envs.VLLM_DSV4_TEST_ORACLE_FAULT
-    if fault == "off":
+    if fault in ("off", "stale_kv"):
+        return
+    if fault == "alias49236":
+        _alias_over_topk(topk, _compressor_scratch)
         return
     if fault == "topk_off_by_one":
         topk.sub_((topk >= 0).to(topk.dtype))  # -1 pads stay -1; 0 -> -1
         return
     bound = torch.div(positions, ratio, rounding_mode="floor").to(topk.dtype).unsqueeze(-1)
     topk.masked_fill_(topk >= bound, -1)
+
+
+def _alias_over_topk(topk: torch.Tensor, aliased: torch.Tensor | None) -> None:
+    """vLLM #49236's pool put every aux family (indexer q, top-k ids, compressor
+    scratch) at one offset, so on a GPU the compressor on the aux stream writes
+    its scratch over the top-k table between the indexer's write and the sparse
+    MLA's read. The CPU runs one stream, so the race cannot happen by itself:
+    this writes the race's outcome, the scratch's bytes (the C4 kv/score
+    projection, ``[T, 1024]`` fp32: more bytes than the table) read as int32
+    entry ids. Ids
+    outside ``[0, visible)`` (most of them: float bits) become -1, because the
+    C++ sparse MLA does not bounds-check and would read outside the cache."""
+    if aliased is None:
+        return
+    raw = aliased.detach().contiguous().view(-1).view(torch.uint8)
+    n = min(topk.numel() * topk.element_size(), raw.numel())
+    n -= n % 4
+    ids = raw[:n].view(torch.int32).to(topk.dtype)
+    visible = topk.max(dim=-1, keepdim=True).values + 1  # valid ids are 0 .. max
+    flat = topk.view(-1)
+    flat[: ids.numel()] = ids
+    topk.masked_fill_((topk < 0) | (topk >= visible), -1)
+
+
+def oracle_fault_window(window_slots: torch.Tensor, positions: torch.Tensor,
+                        token_to_req: torch.Tensor) -> torch.Tensor:
+    """The sliding-window slot table ``[T, W]`` the sparse MLA reads; under
+    ``VLLM_DSV4_TEST_ORACLE_FAULT=stale_kv`` a copy without the rows the step
+    itself wrote (positions at or after the first position of the token's
+    request in this step): a read that ran before the step's KV insert landed
+    sees whatever the slots held before, here treated as absent. A decode
+    token loses its own row; a prefill loses its whole window. The table is
+    shared by the layers of the step, so it is copied, never changed in place."""
+    if envs.VLLM_DSV4_TEST_ORACLE_FAULT != "stale_kv":
+        return window_slots
+    req = token_to_req.to(torch.int64)
+    n_req = int(req.max()) + 1 if req.numel() else 0
+    start = torch.full((n_req,), torch.iinfo(torch.int64).max, dtype=torch.int64,
+                       device=positions.device)
+    start.scatter_reduce_(0, req, positions.to(torch.int64), reduce="amin")
+    width = window_slots.shape[1]
+    col = (positions.to(torch.int64) - (width - 1)).clamp(min=0).unsqueeze(-1)
+    col = col + torch.arange(width, device=positions.device)
+    return window_slots.masked_fill(col >= start[req].unsqueeze(-1), -1)
