@@ -13,13 +13,19 @@ mapping (imported, not copied), so vLLM's loader and transformers both read it.
 Tasks (plain text through the tiny BPE tokenizer; each record is exactly 4 tokens,
 so record j fills C4 entry j and a record never straddles two entries):
 
-* ``kv``: 48 records ``KQZ;`` (key: two capitals, value: one of 36 digits/capitals),
-  then queries ``?KQZ``; the loss is on the value token of each query. The query
-  sits at position ~193; records 0..15 lie wholly behind the 128-token sliding
-  window, so only the compressed (C4 / C128) entries carry them: a wrong top-k
-  entry, a compress boundary or a stale KV row changes the answer.
-* ``copy``: ``@K7QZ=K7QZ;`` packed into the same length; the loss is on the copied
-  characters and the closing ``;`` (several decode steps in serving).
+* ``kv`` (60 %): 48 records ``KQZ;`` (key: two capitals, value: one of 36
+  digits/capitals), one of them (uniform position) the marker record ``##Z;``,
+  then the query ``?##Z`` and 7 queries ``?KQZ`` of other records; the loss is on
+  each query's value token. The first query's last token sits at position 194;
+  records 0..15 lie wholly behind the 128-token sliding window, so only the
+  compressed (C4 / C128) entries carry them: a wrong top-k entry or a lost
+  compressed entry changes the answer. The eval tasks ask the marker query (a
+  fixed key: one content match, learnable in this budget; general key matching,
+  an induction head, stayed near chance in a first 225-step run, see
+  docs/correctness.md).
+* ``copy`` (40 %): ``@K7QZ=K7QZ;`` (4 characters) packed into the same length;
+  the loss is on the copied characters and the closing ``;`` (several decode
+  steps in serving).
 
 Not trained: retrieval past the indexer's top-k span (index_topk 512 x 4 = 2048
 tokens: vLLM 0.32's CPU top-k accepts only 512). Below the span every compressed
@@ -61,6 +67,8 @@ KEY_CHARS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 VAL_CHARS = "0123456789" + KEY_CHARS
 COPY_CHARS = KEY_CHARS + "0123456789"
 WINDOW = 128
+MARKER = "##"  # the queried record's key in the eval tasks (see the module doc)
+COPY_LEN = 4
 # cut from configs/tiny-dsv4 to fit 20 MB in bf16 (12.9 M -> 9.2 M parameters); the
 # attention's FlashMLA dims (head_dim, rope dim, heads, window, indexer) are untouched
 OVERRIDES: dict[str, Any] = {"n_routed_experts": 4, "num_experts_per_tok": 2, "q_lora_rank": 64}
@@ -80,11 +88,19 @@ def kv_text(records: Sequence[tuple[str, str]]) -> str:
     return "".join(f"{k}{v};" for k, v in records)
 
 
+def with_marker(rng: random.Random, recs: list[tuple[str, str]], j: int) -> str:
+    """Record ``j`` becomes the marker record ``##v;`` (its value kept)."""
+    recs[j] = (MARKER, recs[j][1])
+    return recs[j][1]
+
+
 def kv_doc(rng: random.Random, far: bool) -> dict[str, Any]:
-    """One eval doc: the records and one query, ``far`` = the record lies wholly
-    outside the query's sliding window (record index < 16), else one of the last 16."""
+    """One eval doc: the records, one of them the marker record, and the query
+    ``?##``; ``far`` = the marker record lies wholly outside the query's sliding
+    window (record index < 16), else it is one of the last 16."""
     recs = kv_records(rng)
     j = rng.randrange(0, 16) if far else rng.randrange(N_RECORDS - 16, N_RECORDS)
+    with_marker(rng, recs, j)
     k, v = recs[j]
     prompt = kv_text(recs) + "?" + k
     # the query's last token sits at 4 * N_RECORDS + 2; record j ends at 4 j + 3
@@ -94,7 +110,7 @@ def kv_doc(rng: random.Random, far: bool) -> dict[str, Any]:
 
 
 def copy_item(rng: random.Random) -> tuple[str, str]:
-    s = "".join(rng.choice(COPY_CHARS) for _ in range(rng.randint(3, 8)))
+    s = "".join(rng.choice(COPY_CHARS) for _ in range(COPY_LEN))
     return f"@{s}=", f"{s};"
 
 
@@ -105,11 +121,14 @@ def copy_doc(rng: random.Random) -> dict[str, Any]:
 
 def train_example(rng: random.Random) -> tuple[str, list[tuple[int, int]]]:
     """(text, [(char_start, char_end), ...] of the loss targets). Every char is one token."""
-    if rng.random() < 0.75:
+    if rng.random() < 0.6:
         recs = kv_records(rng)
+        marked = rng.randrange(N_RECORDS)
+        with_marker(rng, recs, marked)
         text = kv_text(recs)
         spans = []
-        for j in rng.sample(range(N_RECORDS), N_QUERIES):
+        others = [j for j in rng.sample(range(N_RECORDS), N_QUERIES) if j != marked]
+        for j in [marked, *others[: N_QUERIES - 1]]:
             k, v = recs[j]
             text += f"?{k}"
             spans.append((len(text), len(text) + 1))
@@ -141,7 +160,7 @@ def trained_config(seed: int = SEED) -> dict[str, Any]:
 def char_ids(tok: Any) -> dict[str, int]:
     """char -> token id, checked: every training char is its own token."""
     table = {}
-    for c in set(KEY_CHARS + VAL_CHARS + COPY_CHARS + ";?@="):
+    for c in set(KEY_CHARS + VAL_CHARS + COPY_CHARS + ";?@=#"):
         ids = tok(c, add_special_tokens=False)["input_ids"]
         assert len(ids) == 1, (c, ids)
         table[c] = ids[0]
@@ -300,14 +319,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "configs" / "tiny-dsv4-trained")
     ap.add_argument("--seed", type=int, default=SEED)
-    ap.add_argument("--steps", type=int, default=520)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--dry-run", type=float, default=0.0, metavar="S",
                     help="train for S seconds, print steps/s, write nothing")
     ap.add_argument("--eval-only", action="store_true")
     ap.add_argument("--eval-n", type=int, default=64)
-    ap.add_argument("--log-every", type=int, default=25)
+    ap.add_argument("--log-every", type=int, default=20)
     ap.add_argument("--write-tasks", type=int, default=0, metavar="N",
                     help="write N docs per lm_eval task into configs/lm_eval/tasks/data and exit")
     ap.add_argument("--limit", type=int, default=None,
