@@ -46,10 +46,13 @@ own series), ``rank`` (the worker's global rank in its engine: TP x PP) and
     vllm_dsv4_workspace_info{policy,platform}       gauge (1)
 
 Counters count from the first model step (:meth:`WorkspaceManager.live_stats`).
-``VLLM_DSV4_METRICS=0`` turns all of it off. With ``--api-server-count > 1``
-vLLM serves ``/metrics`` from a multiprocess registry of its own and these
-series are absent (the workers still log them with
-``VLLM_DSV4_WORKSPACE_LOG_EVERY``). Every failure here is one WARNING and the
+``VLLM_DSV4_METRICS=0`` turns all of it off. With ``--api-server-count > 1`` (the
+default under ``--data-parallel-size``) vLLM sets ``PROMETHEUS_MULTIPROC_DIR`` and each
+API server's ``/metrics`` is ``prometheus_client``'s multiprocess collector over that
+directory (built per request by ``prometheus_fastapi_instrumentator``), which no custom
+collector reaches: there each publisher also writes the same series as
+``prometheus_client`` multiprocess metrics into that directory
+(:class:`_MultiprocessSeries`), vLLM's own mechanism. Every failure here is one WARNING and the
 figures stop; serving is never affected. Imports no vLLM.
 """
 
@@ -59,11 +62,13 @@ import atexit
 import itertools
 import json
 import mmap
+import multiprocessing
 import os
 import shutil
 import struct
 import tempfile
 import threading
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -92,7 +97,7 @@ _seq = itertools.count()
 
 
 def setup_frontend() -> str | None:
-    """In the front-end process: a fresh directory for this server's processes
+    """In the front-end process: a fresh directory name for this server's processes
     (always new, so a server started from a process that ran the plugin does not
     share its parent's), exported as ``VLLM_DSV4_METRICS_DIR``, and the collector
     registered with ``prometheus_client.REGISTRY`` (once per process). Returns the
@@ -106,9 +111,19 @@ def setup_frontend() -> str | None:
             from prometheus_client import REGISTRY
         except ImportError:
             return None
-        path = tempfile.mkdtemp(prefix="vllm_dsv4_metrics_")
-        atexit.register(shutil.rmtree, path, True)
-        os.environ[ENV_DIR] = path
+        inherited = envs.VLLM_DSV4_METRICS_DIR
+        if inherited is not None and multiprocessing.current_process().name.startswith(
+                "ApiServer"):
+            # One of several API servers (--api-server-count > 1, the default under DP):
+            # the main process named the directory and started the engines with it.
+            path = inherited
+        else:
+            # Named now, created by the first publisher (a front end whose engine never
+            # reserves a workspace leaves nothing behind).
+            path = os.path.join(tempfile.gettempdir(),
+                                f"vllm_dsv4_metrics_{os.getpid()}_{uuid.uuid4().hex[:8]}")
+            atexit.register(shutil.rmtree, path, True)
+            os.environ[ENV_DIR] = path
         collector = WorkspaceCollector(path)
         REGISTRY.register(collector)
         _frontend.update(dir=path, collector=collector)
@@ -245,6 +260,7 @@ class Publisher:
 
     def __init__(self, path: str, workspace: Any, labels: dict[str, str], platform: str) -> None:
         self.workspace = workspace
+        os.makedirs(path, mode=0o700, exist_ok=True)
         stem = os.path.join(path, f"ws-{os.getpid()}-{next(_seq)}")
         stats = workspace.stats()
         kinds: dict[str, int] = {}
@@ -262,11 +278,17 @@ class Publisher:
             f.write(b"\0" * _SIZE)
         with open(stem + ".bin", "r+b") as f:
             self._map = mmap.mmap(f.fileno(), _SIZE)
-        self.publish()
         tmp = stem + ".json.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(static, f)
         os.replace(tmp, stem + ".json")  # last: the collector reads only complete pairs
+
+        # Several API servers: vLLM's /metrics is then prometheus_client's multiprocess
+        # collector over PROMETHEUS_MULTIPROC_DIR (prometheus_fastapi_instrumentator builds
+        # it per request), which reads only that directory's files: the same figures there.
+        self._mp = _MultiprocessSeries(static) if os.environ.get(
+            "PROMETHEUS_MULTIPROC_DIR") else None
+        self.publish()
 
     def publish(self) -> None:
         live = self.workspace.live_stats()
@@ -274,6 +296,70 @@ class Publisher:
                          live["allocations_total"], live["fence_waits_total"],
                          live["fallbacks_total"], live["peak_leased_bytes"],
                          live["reserved_bytes_total"])
+        if self._mp is not None:
+            self._mp.update(live)
+
+
+# live_stats() key of each counter of the multiprocess series.
+_LIVE_KEYS = {"model_steps": "steps", "leases": "leases_total",
+              "allocations": "allocations_total", "fence_waits": "fence_waits_total",
+              "fallbacks": "fallbacks_total"}
+
+
+class _MultiprocessSeries:
+    """The series as ``prometheus_client`` multiprocess metrics (files in
+    ``PROMETHEUS_MULTIPROC_DIR``, one per metric type and process, as vLLM's own API
+    servers write them): counters incremented by each step's growth, gauges set."""
+
+    def __init__(self, static: dict[str, Any]) -> None:
+        from prometheus_client import Counter, Gauge, values
+
+        base = ("model_name", "engine", "rank")
+        labels = [str(static.get(k, "")) for k in base]
+        saved = values.ValueClass
+        # A process forked before vLLM set PROMETHEUS_MULTIPROC_DIR chose the in-memory
+        # value class at import: these metrics always write the multiprocess files.
+        values.ValueClass = values.MultiProcessValue()
+        try:
+            self.counters = {
+                name: Counter(f"{PREFIX}_{metric}", doc, labelnames=base,
+                              registry=None).labels(*labels)
+                for name, metric, doc in (
+                    ("model_steps", "model_steps", "Model steps served since the first"),
+                    ("leases", "leases", "Workspace leases taken by the attention layers"),
+                    ("allocations", "leased_family_allocations",
+                     "Tensors allocated for leased buffer families (0 unless policy off)"),
+                    ("fence_waits", "fence_waits", "Cross-stream fence waits before a lease"),
+                    ("fallbacks", "fallbacks",
+                     "Buffers a layer allocated itself where the workspace could not serve"))}
+            reserved = Gauge(f"{PREFIX}_reserved_bytes", "Bytes the DeepSeek-V4 workspace "
+                             "reserved at load, per buffer family", labelnames=(*base, "family"),
+                             registry=None, multiprocess_mode="livesum")
+            for fam, n in static.get("reserved_bytes_per_family", {}).items():
+                reserved.labels(*labels, fam).set(int(n))
+            layers = Gauge(f"{PREFIX}_layers", "Attention layers leasing from the workspace, "
+                           "per kind", labelnames=(*base, "kind"), registry=None,
+                           multiprocess_mode="livesum")
+            for kind, n in static.get("layers_per_kind", {}).items():
+                layers.labels(*labels, kind).set(int(n))
+            Gauge(f"{PREFIX}_info", "Workspace policy and platform (value 1)",
+                  labelnames=(*base, "policy", "platform"), registry=None,
+                  multiprocess_mode="livemax").labels(
+                *labels, str(static.get("policy", "")), str(static.get("platform", ""))).set(1)
+            self.peak = Gauge(f"{PREFIX}_peak_leased_bytes", "Most workspace bytes leased at "
+                              "one time", labelnames=base, registry=None,
+                              multiprocess_mode="livemax").labels(*labels)
+        finally:
+            values.ValueClass = saved
+        self.last = dict.fromkeys(self.counters, 0)
+
+    def update(self, live: dict[str, Any]) -> None:
+        for name, counter in self.counters.items():
+            now = int(live[_LIVE_KEYS[name]])
+            if now > self.last[name]:
+                counter.inc(now - self.last[name])
+                self.last[name] = now
+        self.peak.set(int(live["peak_leased_bytes"]))
 
 
 _failed: list[str] = []

@@ -126,10 +126,37 @@ def test_frontend_makes_a_fresh_directory_and_registers_once(monkeypatch, tmp_pa
     monkeypatch.setenv("VLLM_DSV4_METRICS_DIR", str(tmp_path))  # a parent's: replaced
     monkeypatch.setattr(metrics.atexit, "register", lambda *a: None)
     path = metrics.setup_frontend()
-    try:
-        assert path is not None and path != str(tmp_path) and os.path.isdir(path)
-        assert os.environ["VLLM_DSV4_METRICS_DIR"] == path
-        assert metrics.setup_frontend() == path and len(registered) == 1
-        assert isinstance(registered[0], metrics.WorkspaceCollector)
-    finally:
-        os.rmdir(path)
+    assert path is not None and path != str(tmp_path)
+    assert not os.path.exists(path)  # created by the first publisher only
+    assert os.environ["VLLM_DSV4_METRICS_DIR"] == path
+    assert metrics.setup_frontend() == path and len(registered) == 1
+    assert isinstance(registered[0], metrics.WorkspaceCollector)
+    assert list(registered[0].collect())  # a missing directory: empty families, no error
+
+
+
+def test_several_api_servers_get_the_series_through_prometheus_multiprocess(monkeypatch,
+                                                                           tmp_path):
+    """Under ``--api-server-count > 1`` (the default with DP) vLLM sets
+    ``PROMETHEUS_MULTIPROC_DIR`` and ``/metrics`` is prometheus_client's multiprocess
+    collector over it: the publisher writes the same series there."""
+    from prometheus_client import multiprocess
+
+    monkeypatch.setattr(core, "_managers", {})
+    mp_dir = tmp_path / "prom"
+    mp_dir.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(mp_dir))
+    monkeypatch.setenv("VLLM_DSV4_METRICS_DIR", str(tmp_path / "ours"))
+    ws = _serve(monkeypatch, tmp_path, rank=1, steps=4)
+    registry = prometheus_client.CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=str(mp_dir))
+    text = prometheus_client.generate_latest(registry).decode()
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for fam in text_string_to_metric_families(text) for s in fam.samples}
+    r1 = lab(rank="1")
+    assert got[("vllm_dsv4_workspace_model_steps_total", r1)] == 4
+    assert got[("vllm_dsv4_workspace_leases_total", r1)] == 12
+    assert got[("vllm_dsv4_workspace_fence_waits_total", r1)] == 0
+    for fam, n in ws.stats()["reserved_bytes_per_family"].items():
+        assert got[("vllm_dsv4_workspace_reserved_bytes", lab(rank="1", family=fam))] == n
+    assert got[("vllm_dsv4_workspace_layers", lab(rank="1", kind="C4"))] == 2

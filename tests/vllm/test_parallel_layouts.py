@@ -199,3 +199,26 @@ def test_dp2_serves_with_tp2_rounding(outputs, layout_servers) -> None:
     assert "Worker_DP0" in log and "Worker_DP1" in log
     print(_check_tp_rounding(outputs, "dp2"))
 
+
+
+# name -> the (engine, rank) label pairs of the workspace series on /metrics (issue 41).
+METRIC_RANKS = {"pp2": {("0", "0"), ("0", "1")},
+                "tp2pp2": {("0", "0"), ("0", "1"), ("0", "2"), ("0", "3")},
+                "dp2": {("0", "0"), ("1", "0")}}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_metrics_name_every_rank(outputs, layout_servers, name) -> None:
+    """The API server's /metrics carries each rank's workspace series (labels ``engine``:
+    the DP rank, ``rank``: the worker's rank in its engine), each rank's steps counted."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(layout_servers[name].base_url + "/metrics", timeout=60) as r:
+        text = r.read().decode()
+    steps = {(s.labels["engine"], s.labels["rank"]): s.value
+             for fam in text_string_to_metric_families(text) for s in fam.samples
+             if s.name == "vllm_dsv4_workspace_model_steps_total"}
+    assert set(steps) == METRIC_RANKS[name], steps
+    assert all(v >= LOG_EVERY for v in steps.values()), steps
