@@ -325,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", type=float, default=0.0, metavar="S",
                     help="train for S seconds, print steps/s, write nothing")
     ap.add_argument("--eval-only", action="store_true")
+    ap.add_argument("--init-from", type=Path, default=None,
+                    help="continue from a checkpoint this script wrote (stage 2; data "
+                    "stream seeded with --seed + 1000 so it does not repeat stage 1's)")
     ap.add_argument("--eval-n", type=int, default=64)
     ap.add_argument("--log-every", type=int, default=20)
     ap.add_argument("--write-tasks", type=int, default=0, metavar="N",
@@ -355,7 +358,17 @@ def main(argv: list[str] | None = None) -> int:
                           for t, r in res.items()}, indent=1))
         return 0
     cfg = trained_config(args.seed)
-    model = build_model(cfg, args.seed)
+    data_seed = args.seed
+    if args.init_from:
+        cfg = json.loads((args.init_from / "config.json").read_text())
+        cfg["vllm_dsv4_trained"].setdefault("stages", []).append(
+            {"init_from": str(args.init_from.name), "steps": args.steps, "lr": args.lr,
+             "batch": args.batch, "seed": args.seed})
+        torch.manual_seed(args.seed)
+        model = mk.load_transformers(args.init_from)
+        data_seed = args.seed + 1000
+    else:
+        model = build_model(cfg, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"[train] params {n_params / 1e6:.2f} M, seq {SEQ_LEN}, batch {args.batch}", flush=True)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
@@ -363,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
                              {"params": other, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95))
-    warm = max(1, min(100, args.steps // 10))
+    warm = max(1, min(100 if not args.init_from else 20, args.steps // 10))
 
     def lr_at(step: int) -> float:
         if step < warm:
@@ -373,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model.train()
     t0 = time.perf_counter()
-    it = batches(tok, args.seed, args.batch)
+    it = batches(tok, data_seed, args.batch)
     ema = None
     step = 0
     for step in range(args.steps):
