@@ -29,9 +29,11 @@
 #
 # Environment: PYTHON (default python3, else python; in --dry-run .venv/bin/python, else
 # .venv-vllm034/bin/python, else python3), OUT (results dir; default .scratch/gpu_check),
-# GPU_CHECK_TESTS (pytest paths; default "tests/gpu"), TEST_TIMEOUT (s, default 120),
+# GPU_CHECK_TESTS (pytest paths; default "tests/gpu"), TEST_TIMEOUT (s, default 100),
 # HARNESS_TIMEOUT (s, default 170; HARNESS_VERSION_TIMEOUT, default 80, per vLLM version),
-# GPU_CHECK_HARNESS=0 (skip the harness), FLASHMLA_TIMEOUT (s, default 150;
+# GPU_CHECK_HARNESS=0 (skip the harness), GPU_CHECK_SANITIZER=0 (skip its second pass:
+# cuda-eager and the served schedule under TORCH_CUDA_SANITIZER=1, SANITIZER_TIMEOUT s,
+# default 50), FLASHMLA_TIMEOUT (s, default 150;
 # FLASHMLA_SANITIZER_TIMEOUT, default 90, its sanitizer pass), GPU_CHECK_FLASHMLA=0 (skip
 # it). The timeouts add up to under 8 minutes. (The layer benchmark step is gone with the
 # unserved layer benchmark; the bench commands need vLLM.)
@@ -54,7 +56,7 @@ while [ $# -gt 0 ]; do
     --make-bundle)
       if [ $# -gt 1 ] && [ "${2#--}" = "$2" ]; then MAKE_BUNDLE=$2; shift
       else MAKE_BUNDLE=$ROOT/.scratch/gpu_bundle; fi ;;
-    -h|--help) sed -n '4,39p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '4,41p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -173,11 +175,11 @@ fi
 T0=$SECONDS
 TEST_STATUS="NOT RUN"; TEST_DETAIL="pytest unavailable (make a bundle: --make-bundle)"
 if "$PY" -c "import pytest" >/dev/null 2>&1; then
-  echo "== pytest -q -x $TESTS (timeout ${TEST_TIMEOUT:-120} s)"
+  echo "== pytest -q -x $TESTS (timeout ${TEST_TIMEOUT:-100} s)"
   # The FlashMLA tests are the FlashMLA step's cases (run once, there, with the fuller
   # report; under -x a numeric miss there would also stop the workspace tests).
   # shellcheck disable=SC2086
-  timeout "${TEST_TIMEOUT:-120}" "$PY" -m pytest -q -x -p no:cacheprovider $TESTS \
+  timeout "${TEST_TIMEOUT:-100}" "$PY" -m pytest -q -x -p no:cacheprovider $TESTS \
     --ignore tests/gpu/test_flashmla_sparse_decode.py \
     --junitxml "$OUT_DIR/pytest.xml" 2>&1 | tee "$OUT_DIR/pytest.log"
   rc=${PIPESTATUS[0]}
@@ -212,6 +214,19 @@ elif [ $DRY = 1 ] || ls "$ROOT"/build/vllm_stub/*/vllm/__init__.py >/dev/null 2>
     *) HARNESS_STATUS="FAIL($rc)" ;;
   esac
   HARNESS_DETAIL=$(tail -n 1 "$OUT_DIR/cuda_graph.log")
+  if [ $DRY = 0 ] && [ "${GPU_CHECK_SANITIZER:-1}" = 1 ]; then
+    # The served schedule (FULL / PIECEWISE / eager steps, micro-batches on and off, one
+    # workspace and one graph pool) and the eager layer again under PyTorch's CUDA
+    # sanitizer on real streams: any unsynchronised access raises in the harness.
+    echo "== the same under TORCH_CUDA_SANITIZER=1 (timeout ${SANITIZER_TIMEOUT:-50} s)"
+    TORCH_CUDA_SANITIZER=1 PYTHON=$PY HARNESS_VERSION_TIMEOUT=${SANITIZER_TIMEOUT:-50} \
+      timeout "${SANITIZER_TIMEOUT:-50}" bash scripts/cuda_graph_check.sh --no-build \
+      --vllm 0.34 --modes cuda-eager,cuda-serve,cuda-serve-mxfp4 \
+      --json "$OUT_DIR/cuda_graph_sanitizer.json" > "$OUT_DIR/cuda_graph_sanitizer.log" 2>&1
+    src=$?
+    [ $src -ne 0 ] && HARNESS_STATUS="FAIL(sanitizer $src)"
+    HARNESS_DETAIL="$HARNESS_DETAIL; sanitizer: $(tail -n 1 "$OUT_DIR/cuda_graph_sanitizer.log")"
+  fi
 fi
 T2=$SECONDS
 

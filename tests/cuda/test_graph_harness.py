@@ -117,8 +117,8 @@ def test_adapter_calls_equal_vllm_layer_calls(harness_report: tuple[str, dict]) 
 
 
 SIM_MODES = ("sim-eager", "sim-eager-lazy", "sim-eager-random", "sim-eager-yield",
-             "sim-eager-debug", "sim-eager-cutedsl", "sim-private", "sim-piecewise",
-             "sim-piecewise-debug",
+             "sim-eager-debug", "sim-eager-cutedsl", "sim-private", "sim-off",
+             "sim-off-random", "sim-piecewise", "sim-piecewise-debug",
              "sim-piecewise-gemm0", "sim-full", "sim-stage")
 
 
@@ -134,8 +134,20 @@ def test_emulated_cuda_modes_race_free_and_bitwise(harness_report: tuple[str, di
     for name in want:
         for impl, res in modes[name].items():
             assert res["bitwise_equal"], (name, impl)
+            # Capture-time eager code included; and no workspace access on a stream
+            # its lease never declared.
             assert res["races"]["races"] == 0, (name, impl, res["races"]["first"])
+            assert res["races"]["races_in_capture"] == 0
+            assert res["races"]["undeclared_stream_accesses"] == 0, res["races"]
+            # PyTorch's caching allocator modelled: blocks freed and reused.
+            assert res["emulator"]["allocator"]["reused"] > 0, (name, impl)
     plugin = {name: modes[name]["plugin"] for name in want}
+    for name in ("sim-piecewise", "sim-full"):
+        assert plugin[name]["emulator"]["allocator"]["graph_pool_allocations"] > 0, name
+    # `off`: every lease a block of the allocator model, consumers' streams recorded;
+    # the blocks come back only after those streams pass the free.
+    alloc = plugin["sim-off"]["emulator"]["allocator"]
+    assert alloc["record_stream"] > 0 and alloc["reused_after_recorded_streams"] > 0, alloc
     assert plugin["sim-eager"]["leases_per_step"] == [30, 30]
     assert plugin["sim-piecewise"]["leases_per_step"] == [6, 6]  # the C4 top-k only
     assert plugin["sim-full"]["leases_per_step"] == [0, 0]
@@ -155,6 +167,45 @@ def test_emulated_cuda_modes_race_free_and_bitwise(harness_report: tuple[str, di
     assert stage["first_layer"] == "model.layers.3.attn"
     assert stage["leases_per_step"] == [18, 18]
     assert stage["model_steps_counted"] == 2  # marked at the stage's own first layer
+
+
+SERVE_MODES = ("sim-serve", "sim-serve-mxfp4")
+
+
+def test_serving_schedule_one_workspace(harness_report: tuple[str, dict]) -> None:
+    """A served process (tools/cuda_graph/serve.py): FULL replays of decode
+    batches, breakable PIECEWISE replays of mixed batches and eager steps above
+    the largest capture size, micro-batches on and off, interleaved in one model
+    over one workspace and one graph pool; FP8 and MXFP4 indexers; 0.33's MRV1
+    too. Every step bitwise equal to the serial reference, no race (capture
+    included), each step's leases what the lease plan says, and the adapter's
+    calls equal vLLM's layer's."""
+    version, report = harness_report
+    modes = report["modes"]
+    want = set(SERVE_MODES) | ({"sim-serve-mrv1"} if version.startswith("0.33.") else set())
+    assert want <= set(modes)
+    steps = report["serve"]["schedule"]
+    # Every kind, with micro-batches on and off, and every transition between kinds.
+    kinds = [s.split(":")[0] for s in steps]
+    assert {"full", "full+dbo", "piecewise", "piecewise+dbo", "eager", "eager+dbo"} <= set(kinds)
+    pairs = {(a.split("+")[0], b.split("+")[0]) for a, b in zip(kinds, kinds[1:])}
+    assert {(a, b) for a in ("full", "piecewise", "eager")
+            for b in ("full", "piecewise", "eager") if a != b} <= pairs
+    for name in want:
+        for impl, res in modes[name].items():
+            assert res["bitwise_equal"], (name, impl)
+            assert res["races"]["races"] == 0, (name, impl, res["races"]["first"])
+            assert res["leases_as_expected"], (name, impl, res["leases_per_step"])
+            assert res["steps"] == steps
+        plugin = modes[name]["plugin"]
+        # Eager steps lease every family, PIECEWISE replays the eager break's, FULL none.
+        for kind, n in zip(kinds, plugin["leases_per_step"]):
+            assert (n == 0) == kind.startswith("full"), (kind, n)
+        assert plugin["graphs"]["full"] >= 2 and plugin["graphs"]["piecewise"] >= 2
+        assert report["contract"][name]["diff"] == []
+    mx = report["contract"]["sim-serve-mxfp4"]["kernels"]
+    assert "_FUSED_INDEXER_Q_ROPE_MXFP4_TRITON_KERNEL" in mx
+    assert "_FUSED_INDEXER_Q_ROPE_QUANT_TRITON_KERNEL" not in mx
 
 
 def test_vllm_fork_join_capture_code_ran(harness_report: tuple[str, dict]) -> None:
@@ -181,3 +232,9 @@ def test_no_join_control_and_emulated_no_fence_control(harness_report: tuple[str
         assert sim[order]["races_with_fences"] == 0
         assert sim[order]["mismatches_with_fences"] == 0
         assert sim[order]["races_without_fences"] > 0  # counted up to the saturation
+    # The off policy without record_stream, and the fan-out captured in one graph
+    # without fences: both race; with them, clean.
+    for part, good, bad in (("off", "with_record_stream", "without_record_stream"),
+                            ("captured", "with_fences", "without_fences")):
+        assert sim[part][good] == {"mismatches": 0, "races": 0}, (part, sim[part])
+        assert sim[part][bad]["races"] > 0, (part, sim[part])

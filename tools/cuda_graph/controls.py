@@ -183,26 +183,44 @@ def _no_fence_sim(sim: Any, seeds: int) -> dict[str, Any]:
 
     cfg = _schedule_config()
 
-    def run(fences: bool, policy: str, seed: int) -> tuple[int, int]:
+    def run(fences: bool, policy: str, seed: int, workspace: str = "shared",
+            captured: bool = False) -> tuple[int, int]:
         with env(VLLM_DSV4_TEST_UNSAFE_NO_FENCES=None if fences else "1",
-                 VLLM_DSV4_WORKSPACE="shared"), sim(policy, seed) as (rt, det):
+                 VLLM_DSV4_WORKSPACE=workspace), sim(policy, seed) as (rt, det), \
+                (contextlib.nullcontext() if fences or workspace == "shared"
+                 else record_stream_removed()):
             be = plugin_cuda.GraphSafeCudaStreamBackend(torch.device("cuda"))
             ws = plugin_cuda.make_workspace(cfg, device="cpu", streams=be)
             for i, r in enumerate(RATIOS):
                 ws.add_layer(f"model.layers.{i}.attn", r)
             ws.reserve()
-            det.add_region(ws.storage, workspace_namer(ws))
+            if ws.storage is not None:
+                det.add_region(ws.storage, workspace_namer(ws))
             rng = random.Random(seed)
             streams = [{r: torch.cuda.Stream() for r in STREAM_ROLES}
                        for _ in range(NUM_UBATCHES)]
             k = StampKernels(be, device="cpu", use_numpy=False)
             stamps = make_stamp_source()
-            # Few tokens: every 256-byte cell of a lease is tracked.
-            for step, toks in enumerate(((5, 3), (8, 2), (1, 6))):
-                enqueue_dsv4_step(ws, k, streams, toks, variant="random", rng=rng,
-                                  stamps=stamps, step=step)
+            every = [s for by_role in streams for s in by_role.values()]
+            graph = torch.cuda.CUDAGraph() if captured else None
+            origin = torch.cuda.Stream()
+            with (torch.cuda.graph(graph, stream=origin) if graph is not None
+                  else contextlib.nullcontext()):
+                if graph is not None:
+                    for s in every:  # fork every stream into the capture
+                        s.wait_stream(origin)
+                # Few tokens: every 256-byte cell of a lease is tracked.
+                for step, toks in enumerate(((5, 3), (8, 2), (1, 6))):
+                    enqueue_dsv4_step(ws, k, streams, toks, variant="random", rng=rng,
+                                      stamps=stamps, step=step)
+                if graph is not None:
+                    for s in every:  # and join them back: only the fences order the rest
+                        origin.wait_stream(s)
+            if graph is not None:
+                for _ in range(2):
+                    graph.replay()
             torch.cuda.synchronize()
-            return len(k.mismatches()), det.total
+            return len(k.mismatches()), det.total + det.undeclared
 
     out: dict[str, Any] = {"what": "no-fence switch, GraphSafeCudaStreamBackend over simcuda"}
     for policy in ("lazy", "random"):
@@ -220,8 +238,40 @@ def _no_fence_sim(sim: Any, seeds: int) -> dict[str, Any]:
                 for p in ("lazy", "random"))
     caught = all(out[p]["races_without_fences"] > 0 for p in ("lazy", "random")) and \
         out["mismatches_without_fences"] > 0
+    # The ``off`` policy: each lease a fresh block of simcuda's caching-allocator
+    # model; its consumers' streams declared with record_stream, then removed.
+    off = {"with_record_stream": [run(True, "random", s, "off") for s in range(seeds)],
+           "without_record_stream": [run(False, "random", s, "off") for s in range(seeds)]}
+    out["off"] = {k: {"mismatches": sum(m for m, _ in v), "races": sum(r for _, r in v)}
+                  for k, v in off.items()}
+    clean &= out["off"]["with_record_stream"] == {"mismatches": 0, "races": 0}
+    caught &= out["off"]["without_record_stream"]["races"] > 0
+    # The same fan-out captured in one CUDA graph (every stream forked into the
+    # capture and joined at its end) and replayed twice: inside one graph the
+    # hand-overs are ordered by the fences alone, which must be kept there.
+    cap = {"with_fences": [run(True, "random", s, captured=True) for s in range(seeds)],
+           "without_fences": [run(False, "random", s, captured=True) for s in range(seeds)]}
+    out["captured"] = {k: {"mismatches": sum(m for m, _ in v), "races": sum(r for _, r in v)}
+                       for k, v in cap.items()}
+    clean &= out["captured"]["with_fences"] == {"mismatches": 0, "races": 0}
+    caught &= out["captured"]["without_fences"]["races"] > 0
     out["detected"] = clean and caught
     return out
+
+
+@contextlib.contextmanager
+def record_stream_removed() -> Iterator[None]:
+    """The ``off`` policy without its ``record_stream`` calls: the caching
+    allocator may hand a lease's block back to its producer's stream while a
+    consumer on another stream still reads it."""
+    from vllm_dsv4_backend.workspace.streams import CudaStreamBackend
+
+    saved = CudaStreamBackend.record_stream
+    CudaStreamBackend.record_stream = lambda self, tensor, stream: None  # type: ignore
+    try:
+        yield
+    finally:
+        CudaStreamBackend.record_stream = saved  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

@@ -31,13 +31,21 @@ replayed outside the captured region, FULL capture of both micro-batch
 threads; side streams executed as late as CUDA allows (``lazy``) or in
 random prefixes, micro-batches also interleaved at every kernel
 (``sim-eager-yield``), the workspace's debug poisoning (``*-debug``), a
-pipeline stage holding layers 3-6 (``sim-stage``). Each reports races
-(must be 0), leases per step (information: eager 30, PIECEWISE 6 - the C4
-top-k only - FULL 0, the stage 18) and allocations.
+pipeline stage holding layers 3-6 (``sim-stage``), the ``off`` policy through
+the caching-allocator model (``sim-off*``), and a served process
+(``sim-serve*``, ``serve.py``): FULL, PIECEWISE and eager steps with
+micro-batches on and off interleaved over one workspace and one graph pool,
+FP8 and MXFP4 indexers. Each reports races (capture included; must be 0),
+workspace accesses on a stream the holding lease never declared (must be 0),
+leases per step (must be what ``LEASE_PLAN`` gives: eager every family,
+PIECEWISE replay the C4 top-k, FULL replay none) and allocations. Every
+emulated mode allocates through ``allocator.py``'s model of PyTorch's
+caching allocator and graph pools.
 
 Negative controls (must be detected): (a) the workspace's no-fence switch
 under ``testing.schedule``'s fork-free fan-out (CPU simulated streams, the
-plugin's ``GraphSafeCudaStreamBackend`` over the emulator, CUDA real
+plugin's ``GraphSafeCudaStreamBackend`` over the emulator, also captured in
+one graph, and the ``off`` policy without its ``record_stream``; CUDA real
 streams); (b) a wrong stand-in (top-k shifted by one); (c) vLLM's
 ``execute_in_parallel`` without its join: the race detector must report it.
 The capture lint: no host sync in a FULL-mode forward.
@@ -57,7 +65,9 @@ from typing import Any
 import torch
 from controls import control_no_fence_schedule, diff, host_sync_lint, join_removed
 from model import DECODES, NUM_UBATCHES, PREFILL, RATIOS, Model, _stub
-from modes import MODE_BY_NAME, MODES, Mode, emulated, run_eager, run_mode
+from modes import MODE_BY_NAME, MODES, Mode, emulated, pattern, run_eager, run_mode
+from serve import SCHEDULE, SERVE_BATCHES
+from serve import reference as serve_reference
 
 
 def _write(path: str, report: dict[str, Any]) -> None:
@@ -68,10 +78,11 @@ def _write(path: str, report: dict[str, Any]) -> None:
 
 
 def default_modes(version: str, device: torch.device,
-                  where: tuple[str, ...] = ("cpu", "sim", "cuda")) -> list[str]:
+                  where: tuple[str, ...] = ("cpu", "sim", "cuda"),
+                  extended: bool = False) -> list[str]:
     out = []
     for m in MODES:
-        if m.where not in where:
+        if m.where not in where or (m.extended and not extended):
             continue
         if m.mrv1 and not version.startswith("0.33."):
             continue  # MRV1 (_prepare_and_attn_eager) is 0.33's only
@@ -92,12 +103,14 @@ def run_all(modes: list[str] | None = None, steps: int = 3, device: str | None =
             seed: int = 0, log: Callable[[str], None] = print,
             json_path: str | None = None, impls: tuple[str, ...] = ("plugin", "vllm"),
             controls_wanted: tuple[str, ...] = CONTROLS, fail_fast: bool = False,
-            where: tuple[str, ...] = ("cpu", "sim", "cuda")) -> dict[str, Any]:
+            where: tuple[str, ...] = ("cpu", "sim", "cuda"),
+            layers: str | None = None, extended: bool = False) -> dict[str, Any]:
     """Every mode, the comparisons and the controls; with ``json_path`` the
     report is rewritten after each mode (``complete`` false until the end), so
     a run killed by a timeout still leaves what it did. ``impls``, the
     controls and ``fail_fast`` (stop at the first failure) narrow a run (the
-    mutation runner's)."""
+    mutation runner's); ``layers`` runs the serving modes over another layer
+    pattern (``flash``: DeepSeek-V4-Flash's 43 layers)."""
     from coverage import Coverage
 
     vllm = _stub()
@@ -113,7 +126,7 @@ def run_all(modes: list[str] | None = None, steps: int = 3, device: str | None =
     # Every key line must run only when every emulated mode does.
     full_run = modes is None and "sim" in where
     if modes is None:
-        modes = default_modes(version, dev, where)
+        modes = default_modes(version, dev, where, extended)
     unknown = [m for m in modes if m not in MODE_BY_NAME]
     if unknown:
         raise SystemExit(f"harness: unknown modes {unknown}; known: {sorted(MODE_BY_NAME)}")
@@ -122,6 +135,9 @@ def run_all(modes: list[str] | None = None, steps: int = 3, device: str | None =
     report: dict[str, Any] = {"vllm": version, "stub": os.path.dirname(vllm.__file__),
                               "torch": torch.__version__, "device": str(dev), "steps": steps,
                               "ratios": list(RATIOS), "ubatches": NUM_UBATCHES,
+                              "serve": {"layers": layers or "each mode's",
+                                        "schedule": [f"{s.graph}{'+dbo' if s.dbo else ''}:"
+                                                     f"{s.batch.tokens}" for s in SCHEDULE]},
                               "tokens_per_ubatch": DECODES + PREFILL, "modes": {},
                               "contract": {}, "controls": {}, "complete": False,
                               "ok": False}
@@ -130,13 +146,23 @@ def run_all(modes: list[str] | None = None, steps: int = 3, device: str | None =
                                "torch_version_tested": torch_version_tested()}
     ok = bool(detector["ok"])
     t0 = time.time()
-    refs: dict[tuple[str, str, Any], list[torch.Tensor]] = {}
+    refs: dict[tuple[Any, ...], list[torch.Tensor]] = {}
 
-    def reference(impl: str, where: torch.device, stage: Any = None) -> list[torch.Tensor]:
-        key = (impl, where.type, stage)
+    def reference(impl: str, where: torch.device, stage: Any = None,
+                  mode: Mode | None = None) -> list[torch.Tensor]:
+        """The serial run (no streams, workspace ``off``) a mode must equal."""
+        serving = mode is not None and mode.run == "serve"
+        key = (impl, where.type, stage,
+               (layers or mode.layers, mode.indexer) if serving and mode else None)
         if key not in refs:
-            m = Model(impl, where, seed, policy="off", aux_streams=False, layers=stage)
-            refs[key] = run_eager(m, steps)["outputs"]
+            if serving and mode is not None:
+                m = Model(impl, where, seed, policy="off", aux_streams=False,
+                          ratios=pattern(layers or mode.layers), batches=SERVE_BATCHES,
+                          indexer=mode.indexer)
+                refs[key] = serve_reference(m, SCHEDULE)
+            else:
+                m = Model(impl, where, seed, policy="off", aux_streams=False, layers=stage)
+                refs[key] = run_eager(m, steps)["outputs"]
         return refs[key]
 
     cov = Coverage()
@@ -145,19 +171,28 @@ def run_all(modes: list[str] | None = None, steps: int = 3, device: str | None =
         where = dev if mode.where == "cuda" else torch.device("cpu")
         entry: dict[str, Any] = {}
         for impl in impls:
-            if mode.policy == "private" and impl == "vllm":
-                continue
+            if mode.policy != "shared" and impl == "vllm":
+                continue  # a workspace policy: vLLM's layer has none
+            t_mode = time.time()
             try:
-                res = run_mode(mode, impl, seed, steps, cov if mode.where == "sim" else None)
-                cmp = diff(res.pop("outputs"), reference(impl, where, mode.stage))
+                res, cmp = _run_seeds(mode, impl, seed, steps, cov, layers,
+                                      reference(impl, where, mode.stage, mode))
             except Exception as e:  # noqa: BLE001 - keep going: the other modes still tell
                 res, cmp = _error(e), {"bitwise_equal": False}
                 log(f"[{name:20s}] {impl:6s} ERROR {res['error']}")
             res.update(cmp)
+            res["seconds"] = round(time.time() - t_mode, 1)
             if "leases_per_step" in res:
-                want = mode.expected_leases if impl == "plugin" else 0
-                res["leases_as_expected"] = all(n == want for n in res["leases_per_step"])
-            races = res.get("races", {}).get("races", 0)
+                n = len(res["leases_per_step"])
+                want = (res.pop("leases_expected_per_step", None)
+                        or [mode.expected_leases(layers=layers)] * n)
+                if impl != "plugin":
+                    want = [0] * n
+                res["leases_as_expected"] = res["leases_per_step"] == want
+                ok &= res["leases_as_expected"]
+            # An access on a stream the holding lease never declared counts as a race.
+            races = (res.get("races", {}).get("races", 0)
+                     + res.get("races", {}).get("undeclared_stream_accesses", 0))
             entry[impl] = res
             ok &= bool(cmp["bitwise_equal"]) and races == 0
             if "error" not in res:
@@ -231,6 +266,34 @@ def run_all(modes: list[str] | None = None, steps: int = 3, device: str | None =
     report["complete"] = True
     report["seconds"] = round(time.time() - t0, 1)
     return report
+
+
+def _run_seeds(mode: Mode, impl: str, seed: int, steps: int, cov: Any, layers: str | None,
+               ref: list[torch.Tensor]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``mode.seeds`` runs, the emulator's order drawn from ``seed``, ``seed + 1``, ...:
+    the first run's report with every run's races added and its comparison, or
+    the first that differs."""
+    res: dict[str, Any] = {}
+    cmp: dict[str, Any] = {}
+    per_seed = []
+    for k in range(mode.seeds):
+        r = run_mode(mode, impl, seed, steps, cov if mode.where == "sim" else None,
+                     order_seed=seed + k, layers=layers)
+        c = diff(r.pop("outputs"), ref)
+        per_seed.append({"order_seed": seed + k, "bitwise_equal": c["bitwise_equal"],
+                         "races": r.get("races", {}).get("races", 0)})
+        if not res:
+            res, cmp = r, c
+        else:
+            res["races"]["races"] += r["races"]["races"]
+            for k in ("races_in_capture", "undeclared_stream_accesses"):
+                res["races"][k] += r["races"][k]
+            res["races"]["first"] += r["races"]["first"][:4]
+            if cmp["bitwise_equal"] and not c["bitwise_equal"]:
+                cmp = c
+    if mode.seeds > 1:
+        res["seeds"] = per_seed
+    return res, cmp
 
 
 def controls(dev: torch.device, seed: int, steps: int, reference: Callable[..., Any],
@@ -340,13 +403,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fail-fast", action="store_true", help="stop at the first failure")
     ap.add_argument("--where", default="cpu,sim,cuda",
                     help="default modes of these kinds: cpu, sim (emulated CUDA), cuda")
+    ap.add_argument("--extended", action="store_true",
+                    help="also the extended modes (more seeds, the debug serving schedule)")
+    ap.add_argument("--layers", help="the serving modes' layer pattern (default: each "
+                    "mode's; 'flash': DeepSeek-V4-Flash's 43 layers)")
     args = ap.parse_args(argv)
     modes = args.modes.split(",") if args.modes else None
     report = run_all(modes, steps=args.steps, device=args.device, json_path=args.json,
                      impls=tuple(x for x in args.impls.split(",") if x),
                      controls_wanted=tuple(x for x in args.controls.split(",") if x),
                      fail_fast=args.fail_fast,
-                     where=tuple(x for x in args.where.split(",") if x))
+                     where=tuple(x for x in args.where.split(",") if x), layers=args.layers,
+                     extended=args.extended)
     if args.json:
         _write(args.json, report)
     print(f"harness: vLLM {report['vllm']} stub, {report['device']}: "

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The harness's model: seven DeepSeek-V4 attention layers (compress ratios
-1, 4, 128, 4, 128, 4, 1) of one class, the plugin's
+"""The harness's model: DeepSeek-V4 attention layers (by default seven,
+compress ratios 1, 4, 128, 4, 128, 4, 1; ``ratios`` names others, e.g.
+DeepSeek-V4-Flash's 43) of one class, the plugin's
 ``DSV4FlashMLAAttention`` or vLLM's ``DeepseekV4FlashMLAAttention`` (from
 the stub: vLLM's verbatim bodies), built without ``__init__``
 (``bare_module``), their caches and per-micro-batch metadata (static tensors
@@ -10,13 +11,20 @@ updated in place each step, as CUDA graphs need), and the allocation meter.
 ``streams``: the layers get three aux streams and their events
 (``torch.cuda.Stream`` / ``Event``: real ones on a GPU, ``simcuda``'s under
 emulation), and the plugin's workspace a ``GraphSafeCudaStreamBackend``.
-``layers``: the indices of ``RATIOS`` this model holds (a pipeline stage
-holds some; its workspace registers only those).
+``layers``: the indices of ``ratios`` this model holds (a pipeline stage
+holds some; its workspace registers only those). ``batches``: the batch
+shapes the model can run (:class:`Batch`: decode requests + one prefill
+chunk per micro-batch), each with its own static metadata, as vLLM's
+graphs of each capture size keep theirs; :meth:`Model.select` picks one.
+``indexer``: the indexer cache dtype, ``fp8`` or ``mxfp4`` (the index q
+path: vLLM's MXFP4 kernels and wrapper, the workspace's MXFP4 views; the
+indexer K cache stays the harness's float rows).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 import threading
@@ -36,6 +44,22 @@ MNBT = 16
 K128 = 4  # C128 entries a token can see: (pos + 1) // 128 <= 2 here
 DECODES, PREFILL = 3, 4  # per micro-batch: 3 decode requests + 1 prefill chunk
 NUM_UBATCHES = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One micro-batch's shape: ``decodes`` decode requests (one token each)
+    and one prefill chunk of ``prefill`` tokens (0: a decode-only batch)."""
+
+    decodes: int
+    prefill: int
+
+    @property
+    def tokens(self) -> int:
+        return self.decodes + self.prefill
+
+
+BATCH = Batch(DECODES, PREFILL)
 SLEEP_CYCLES = 200_000
 
 
@@ -108,6 +132,18 @@ class Meter:
         return fresh, alloc
 
 
+@contextlib.contextmanager
+def measuring(meter: Meter) -> Iterator[None]:
+    """The stand-in kernels' own allocations are counted apart (``Meter.kernel``)."""
+    from vllm import _harness_standins as S
+
+    S._MEASURE[:] = [meter.kernel]
+    try:
+        yield
+    finally:
+        S._MEASURE.clear()
+
+
 # --- the model ---------------------------------------------------------------------------
 
 
@@ -144,13 +180,20 @@ class Model:
 
     def __init__(self, impl: str, device: torch.device, seed: int, policy: str,
                  aux_streams: bool, mrv1: bool = False, sim: bool = False,
-                 layers: tuple[int, ...] | None = None) -> None:
+                 layers: tuple[int, ...] | None = None,
+                 ratios: tuple[int, ...] = RATIOS, batches: tuple[Batch, ...] = (BATCH,),
+                 indexer: str = "fp8") -> None:
         import vllm
         from vllm.models.deepseek_v4 import attention as vattn
         from vllm.models.deepseek_v4 import compressor as vcomp
         from vllm.models.deepseek_v4.nvidia import flashmla as vfm
 
+        if indexer not in ("fp8", "mxfp4"):
+            raise ValueError(f"indexer: expected fp8 or mxfp4, got {indexer!r}")
+        if any(b.tokens > MNBT for b in batches):
+            raise ValueError(f"batches: at most {MNBT} tokens per micro-batch")
         self.impl, self.device = impl, device
+        self.ratios, self.batches, self.indexer = tuple(ratios), tuple(batches), indexer
         self.version = vllm.__version__
         g = torch.Generator().manual_seed(seed)
         self.g = g
@@ -171,7 +214,9 @@ class Model:
         self.topk_buf = torch.full((MNBT, TOPK), -1, dtype=torch.int32, device=dev)
         self.cos_sin = rnd(MAXPOS, 64)
         rope = types.SimpleNamespace(cos_sin_cache=self.cos_sin)
-        reqs = NUM_UBATCHES * (DECODES + 1)
+        # Per micro-batch: the most decode requests any batch has, and one prefill.
+        self.max_decodes = max(b.decodes for b in self.batches)
+        reqs = NUM_UBATCHES * (self.max_decodes + 1)
         self.nreqs = reqs
         self.caches: list[torch.Tensor] = []
 
@@ -198,7 +243,7 @@ class Model:
         else:
             cls = vfm.DeepseekV4FlashMLAAttention
         hp = cls.get_padded_num_q_heads(HEADS)
-        for i, ratio in enumerate(RATIOS):
+        for i, ratio in enumerate(self.ratios):
             prefix = f"model.layers.{i}.attn"
             layer = bare_module(
                 cls, prefix=prefix, compress_ratio=ratio, n_local_heads=HEADS, padded_heads=hp,
@@ -233,7 +278,7 @@ class Model:
                 ix = bare_module(
                     vattn.DeepseekV4Indexer, prefix=f"{prefix}.indexer", compress_ratio=4,
                     topk_tokens=TOPK, n_head=INDEX_HEADS, head_dim=INDEX_DIM,
-                    softmax_scale=INDEX_DIM**-0.5, use_fp4_kv=False,
+                    softmax_scale=INDEX_DIM**-0.5, use_fp4_kv=indexer == "mxfp4",
                     topk_indices_buffer=self.topk_buf, k_cache=k_cache,
                     aux_stream=self.aux[2] if self.aux else None, ln_events=events(2),
                     w_q_b=rnd(Q_LORA, INDEX_HEADS * INDEX_DIM, scale=Q_LORA**-0.5,
@@ -297,7 +342,7 @@ class Model:
                     head_dim=HEAD_DIM, index_n_heads=INDEX_HEADS, index_head_dim=INDEX_DIM,
                     index_topk=TOPK)
         cfg = build_workspace_config(dims, max_num_batched_tokens=MNBT,
-                                     indexer_kv_dtype="fp8", platform="cuda",
+                                     indexer_kv_dtype=self.indexer, platform="cuda",
                                      num_ubatches=NUM_UBATCHES)
         streams = (plugin_cuda.GraphSafeCudaStreamBackend(
             torch.device("cuda") if self.sim else self.device)
@@ -314,7 +359,6 @@ class Model:
     # --- metadata (static tensors, updated per step) ---------------------------------
 
     def _build_metadata(self) -> None:
-        dev = self.device
         rng = random.Random(1234)
         per_req = {
             "swa": -(-MAXPOS // SWA_BLOCK), "state": -(-MAXPOS // STATE_BLOCK),
@@ -323,7 +367,7 @@ class Model:
         }
         self.tables: list[dict[str, torch.Tensor]] = []
         self.start_pos: list[list[int]] = []
-        nr = DECODES + 1
+        nr = self.max_decodes + 1  # the prefill request is the last row
         for u in range(NUM_UBATCHES):
             t: dict[str, torch.Tensor] = {}
             for kind, nb in per_req.items():
@@ -334,11 +378,25 @@ class Model:
                 t[kind] = torch.tensor(rows, dtype=torch.int32)
             self.tables.append(t)
             self.start_pos.append([rng.randrange(120, 150) for _ in range(nr)])
-        ntok = DECODES + PREFILL
-        self.ntok = ntok
-        self.md: list[dict[str, Any]] = []
-        self.hidden: list[torch.Tensor] = []
-        self.positions: list[torch.Tensor] = []
+        self._static = {b: self._batch_metadata(b) for b in self.batches}
+        self.select(self.batches[0])
+
+    def select(self, batch: Batch) -> None:
+        """Run ``batch``'s shape from now on: its static metadata, inputs and
+        positions become ``md`` / ``hidden`` / ``positions``."""
+        self.batch = batch
+        self.ntok = batch.tokens
+        self.md, self.hidden, self.positions, self._parts = self._static[batch]
+
+    def _batch_metadata(self, batch: Batch) -> tuple[list[dict[str, Any]], list[torch.Tensor],
+                                                     list[torch.Tensor], list[Any]]:
+        dev = self.device
+        nd, npf = batch.decodes, batch.prefill
+        ntok = batch.tokens
+        md_list: list[dict[str, Any]] = []
+        parts: list[Any] = []  # per micro-batch: the metadata objects, by kind
+        hidden: list[torch.Tensor] = []
+        positions: list[torch.Tensor] = []
 
         def z(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=dev)
@@ -347,31 +405,33 @@ class Model:
             tb = {k: v.to(dev) for k, v in self.tables[u].items()}
             t2r = z(ntok)
             swa = types.SimpleNamespace(
-                num_decodes=DECODES, num_prefills=1, num_decode_tokens=DECODES,
-                num_prefill_tokens=PREFILL, is_valid_token=z(ntok, dtype=torch.bool),
+                num_decodes=nd, num_prefills=int(npf > 0), num_decode_tokens=nd,
+                num_prefill_tokens=npf, is_valid_token=z(ntok, dtype=torch.bool),
                 token_to_req_indices=t2r, slot_mapping=z(ntok, dtype=torch.int64),
                 block_size=SWA_BLOCK, block_table=tb["swa"],
-                decode_swa_indices=z(DECODES, 1, WINDOW), decode_swa_lens=z(DECODES),
-                prefill_swa_indices=z(PREFILL, WINDOW), prefill_swa_lens=z(PREFILL),
+                decode_swa_indices=z(nd, 1, WINDOW), decode_swa_lens=z(nd),
+                prefill_swa_indices=z(npf, WINDOW), prefill_swa_lens=z(npf),
                 tile_sched_swaonly=object(), tile_sched_c4a=object(),
                 tile_sched_c128a=object())
             state = types.SimpleNamespace(
                 block_table=tb["state"], slot_mapping=z(ntok, dtype=torch.int64),
-                block_size=STATE_BLOCK, token_to_req_indices=t2r, num_decode_tokens=DECODES,
+                block_size=STATE_BLOCK, token_to_req_indices=t2r, num_decode_tokens=nd,
                 c128_boundary=None)
             c4 = types.SimpleNamespace(block_size=C_BLOCK * 4, block_table=tb["c4"],
                                        slot_mapping=z(ntok, dtype=torch.int64))
             c128 = types.SimpleNamespace(
                 block_size=C_BLOCK * 128, block_table=tb["c128"],
                 slot_mapping=z(ntok, dtype=torch.int64),
-                c128a_global_decode_topk_indices=z(DECODES, 1, K128),
-                c128a_decode_topk_lens=z(DECODES), c128a_prefill_topk_indices=z(PREFILL, K128),
-                c128a_prefill_topk_lens=z(PREFILL))
+                c128a_global_decode_topk_indices=z(nd, 1, K128),
+                c128a_decode_topk_lens=z(nd), c128a_prefill_topk_indices=z(npf, K128),
+                c128a_prefill_topk_lens=z(npf))
             idx = types.SimpleNamespace(
-                max_seq_len=MAXPOS, max_compressed=MAXPOS // 4, num_decode_tokens=DECODES,
-                num_prefill_tokens=PREFILL, slot_mapping=z(ntok, dtype=torch.int64),
+                max_seq_len=MAXPOS, max_compressed=MAXPOS // 4, num_decode_tokens=nd,
+                num_prefill_tokens=npf, slot_mapping=z(ntok, dtype=torch.int64),
                 block_size=I_BLOCK, block_table=tb["idx"], token_to_req_indices=t2r,
                 positions=z(ntok, dtype=torch.int64))
+            parts.append(types.SimpleNamespace(swa=swa, state=state, c4=c4, c128=c128,
+                                               idx=idx))
             md: dict[str, Any] = {}
             for layer in self.layers:
                 p = layer.prefix
@@ -384,23 +444,31 @@ class Model:
                 elif layer.compress_ratio == 128:
                     md[p] = c128
                     md[f"{p}.compressor.state_cache"] = state
-            self.md.append(md)
-            self.hidden.append(z(ntok, HIDDEN, dtype=torch.bfloat16))
-            self.positions.append(z(ntok, dtype=torch.int64))
+            md_list.append(md)
+            hidden.append(z(ntok, HIDDEN, dtype=torch.bfloat16))
+            positions.append(z(ntok, dtype=torch.int64))
+        return md_list, hidden, positions, parts
 
     def load_step(self, step: int) -> None:
-        """Copy step ``step``'s inputs and metadata into the static tensors."""
+        """Copy step ``step``'s inputs and metadata into the static tensors
+        (the selected batch; each request has advanced ``step`` times)."""
+        b = self.batch
         for u in range(NUM_UBATCHES):
-            self._load_ubatch(u, step)
+            self.load_ubatch(u, [step] * b.decodes + [step * b.prefill], seed=1000 * step + u)
 
-    def _load_ubatch(self, u: int, step: int) -> None:
-        """Micro-batch ``u`` at ``step``: its decode requests advance by one
-        token per step, its prefill request by a ``PREFILL``-token chunk."""
-        g = torch.Generator().manual_seed(1000 * step + u)
-        nr = DECODES + 1
-        pos = [self.start_pos[u][r] + step for r in range(DECODES)]
-        pos += [self.start_pos[u][nr - 1] + step * PREFILL + j for j in range(PREFILL)]
-        t2r = list(range(DECODES)) + [nr - 1] * PREFILL
+    def load_ubatch(self, u: int, done: list[int], seed: int) -> None:
+        """Micro-batch ``u`` of the selected batch: decode request ``r`` at
+        position ``start + done[r]``, the prefill chunk from ``start + done[-1]``;
+        the hidden states drawn from ``seed``."""
+        b = self.batch
+        g = torch.Generator().manual_seed(seed)
+        nd, npf = b.decodes, b.prefill
+        pr = self.max_decodes  # the prefill request's row
+        pos = [self.start_pos[u][r] + done[r] for r in range(nd)]
+        pos += [self.start_pos[u][pr] + done[-1] + j for j in range(npf)]
+        if max(pos, default=0) >= MAXPOS:
+            raise ValueError(f"a request reached position {max(pos)} (MAXPOS {MAXPOS})")
+        t2r = list(range(nd)) + [pr] * npf
         tab = self.tables[u]
         dev = self.device
 
@@ -421,23 +489,19 @@ class Model:
         def put(dst: torch.Tensor, values: Any) -> None:
             dst.copy_(torch.tensor(values, dtype=dst.dtype).view(dst.shape).to(dev))
 
-        md = self.md[u]
-        swa = md[f"{self.layers[0].prefix}.swa_cache"]
-        p4 = next(x.prefix for x in self.layers if x.compress_ratio == 4)
-        p128 = next(x.prefix for x in self.layers if x.compress_ratio == 128)
-        c4, state, idx = md[p4], md[f"{p4}.compressor.state_cache"], md[f"{p4}.indexer.k_cache"]
-        c128 = md[p128]
-        dec = list(zip(t2r[:DECODES], pos[:DECODES]))
-        pre = list(zip(t2r[DECODES:], pos[DECODES:]))
+        h = self._parts[u]
+        swa, state, c4, idx, c128 = h.swa, h.state, h.c4, h.idx, h.c128
+        dec = list(zip(t2r[:nd], pos[:nd]))
+        pre = list(zip(t2r[nd:], pos[nd:]))
         put(self.positions[u], pos)
         put(self.hidden[u], torch.randn(self.ntok, HIDDEN, generator=g).tolist())
         put(swa.is_valid_token, [True] * self.ntok)
         put(swa.token_to_req_indices, t2r)
         put(swa.slot_mapping, [slot("swa", SWA_BLOCK, r, p) for r, p in zip(t2r, pos)])
         put(swa.decode_swa_indices, [window(r, p) for r, p in dec])
-        put(swa.decode_swa_lens, [WINDOW] * DECODES)
+        put(swa.decode_swa_lens, [WINDOW] * nd)
         put(swa.prefill_swa_indices, [window(r, p) for r, p in pre])
-        put(swa.prefill_swa_lens, [WINDOW] * PREFILL)
+        put(swa.prefill_swa_lens, [WINDOW] * npf)
         put(state.slot_mapping, [slot("state", STATE_BLOCK, r, p) for r, p in zip(t2r, pos)])
         put(c4.slot_mapping, [emit("c4", C_BLOCK, 4, r, p) for r, p in zip(t2r, pos)])
         put(idx.slot_mapping, [emit("idx", I_BLOCK, 4, r, p) for r, p in zip(t2r, pos)])

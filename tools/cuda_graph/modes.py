@@ -31,9 +31,40 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from model import NUM_UBATCHES, SLEEP_CYCLES, Meter, Model
+from model import BATCH, NUM_UBATCHES, RATIOS, SLEEP_CYCLES, Meter, Model, measuring
 
-EXPECTED_LEASES = {"eager": 30, "piecewise": 6, "full": 0}
+# Layer patterns (compress ratios; 0 and 1 are both SWA-only). "flash" is
+# DeepSeek-V4-Flash's 43 layers; "ci" the same kinds in the same order, scaled
+# down to seven (two SWA, then C4 / C128 alternating, ending on C4).
+PATTERNS: dict[str, tuple[int, ...]] = {
+    "default": RATIOS,
+    "ci": (0, 0, 4, 128, 4, 128, 4),
+}
+
+
+def pattern(name: str) -> tuple[int, ...]:
+    if name == "flash":
+        from vllm_dsv4_backend.layer.plan import DSV4_FLASH_HF_CONFIG
+
+        cfg = DSV4_FLASH_HF_CONFIG
+        return tuple(cfg["compress_ratios"][: cfg["num_hidden_layers"]])
+    if name not in PATTERNS:
+        raise SystemExit(f"harness: unknown layer pattern {name!r}; known: "
+                         f"{sorted(PATTERNS) + ['flash']}")
+    return PATTERNS[name]
+
+
+def leases_per_ubatch(ratios: tuple[int, ...], indexer: str = "fp8") -> dict[str, int]:
+    """The leases one micro-batch takes per forward, from the CUDA lease plan:
+    eager every family of every layer; at PIECEWISE replay only the eager
+    break's (the C4 decode top-k); FULL replay none (no Python runs)."""
+    from vllm_dsv4_backend.formats.constants import layer_kind
+    from vllm_dsv4_backend.layer.plan import LEASE_PLAN
+
+    plan = LEASE_PLAN["cuda"][indexer]
+    kinds = [layer_kind(r) for r in ratios]
+    return {"eager": sum(len(plan[k]) for k in kinds),
+            "piecewise": sum("topk" in plan[k] for k in kinds), "full": 0}
 
 
 def leases(model: Model) -> int:
@@ -49,17 +80,6 @@ def fences(model: Model) -> dict[str, Any]:
     if dropped is not None:
         out["fences_dropped"] = dropped
     return out
-
-
-@contextlib.contextmanager
-def measuring(meter: Meter) -> Iterator[None]:
-    from vllm import _harness_standins as S
-
-    S._MEASURE[:] = [meter.kernel]
-    try:
-        yield
-    finally:
-        S._MEASURE.clear()
 
 
 def run_steps(model: Model, steps: int, meter: Meter,
@@ -102,14 +122,19 @@ def run_steps(model: Model, steps: int, meter: Meter,
 
 def moe_exchange(x: torch.Tensor) -> torch.Tensor:
     """The MoE all-to-all between layers (stand-in: a copy on the comm stream),
-    where vLLM's micro-batch threads hand over."""
+    where vLLM's micro-batch threads hand over. Its output is allocated on the
+    compute stream, where the next layer's streams read it and its block is
+    freed (a block allocated on the comm stream and read elsewhere would need
+    ``record_stream``: the caching allocator would hand it back to the comm
+    stream while those reads may still be pending)."""
     from vllm.v1.worker.ubatching import (
         dbo_switch_to_compute_sync,
         dbo_yield_and_switch_from_compute_to_comm,
     )
 
+    y = torch.empty_like(x)
     dbo_yield_and_switch_from_compute_to_comm()
-    y = x.clone()
+    y.copy_(x)
     dbo_switch_to_compute_sync()
     return y
 
@@ -333,12 +358,18 @@ class Mode:
     cutedsl: bool = False
     slow: bool = False
     stage: tuple[int, ...] | None = None
+    layers: str = "default"
+    indexer: str = "fp8"
+    seeds: int = 1  # emulator orders tried (``random``: one run per seed)
+    extended: bool = False  # only when named (--modes) or asked for (--extended)
 
-    @property
-    def expected_leases(self) -> int:
-        if self.stage is not None:
-            return 18  # layers 3-6 (C4, C128, C4, SWA) x 2 micro-batches
-        return EXPECTED_LEASES[self.run]
+    def ratios(self, layers: str | None = None) -> tuple[int, ...]:
+        r = pattern(layers or self.layers)
+        return tuple(r[i] for i in self.stage) if self.stage is not None else r
+
+    def expected_leases(self, kind: str | None = None, ubatches: int = NUM_UBATCHES,
+                        layers: str | None = None) -> int:
+        return leases_per_ubatch(self.ratios(layers), self.indexer)[kind or self.run] * ubatches
 
 
 STAGE = (3, 4, 5, 6)
@@ -353,17 +384,33 @@ MODES = (
     Mode("sim-eager-debug", "sim", order="lazy", dbo=True, debug=True),
     Mode("sim-eager-cutedsl", "sim", order="lazy", dbo=True, cutedsl=True),
     Mode("sim-private", "sim", policy="private", order="lazy", dbo=True),
+    # ``off``: every lease a fresh block of the caching-allocator model, the
+    # consumer streams declared with record_stream (allocator.py).
+    Mode("sim-off", "sim", policy="off", order="lazy", dbo=True),
+    Mode("sim-off-random", "sim", policy="off", order="random", dbo=True),
     Mode("sim-piecewise", "sim", run="piecewise", order="lazy"),
     Mode("sim-piecewise-debug", "sim", run="piecewise", order="lazy", debug=True),
     Mode("sim-piecewise-gemm0", "sim", run="piecewise", order="lazy", gemm0=True),
     Mode("sim-piecewise-mrv1", "sim", run="piecewise", order="lazy", mrv1=True),
     Mode("sim-full", "sim", run="full", order="lazy", dbo=True),
     Mode("sim-stage", "sim", order="lazy", dbo=True, stage=STAGE),
+    # A served process (serve.py): FULL / PIECEWISE / eager steps and micro-batches
+    # on and off interleaved over one workspace and one graph pool.
+    Mode("sim-serve", "sim", run="serve", order="lazy", layers="ci"),
+    Mode("sim-serve-mxfp4", "sim", run="serve", order="random", layers="ci",
+         indexer="mxfp4"),
+    Mode("sim-serve-random", "sim", run="serve", order="random", layers="ci", seeds=3,
+         extended=True),
+    Mode("sim-serve-debug", "sim", run="serve", order="lazy", layers="ci", debug=True,
+         extended=True),
+    Mode("sim-serve-mrv1", "sim", run="serve", order="lazy", layers="ci", mrv1=True),
     Mode("cuda-eager", "cuda", slow=True),
     Mode("cuda-piecewise", "cuda", run="piecewise"),
     Mode("cuda-piecewise-gemm0", "cuda", run="piecewise", gemm0=True),
     Mode("cuda-piecewise-mrv1", "cuda", run="piecewise", mrv1=True),
     Mode("cuda-full", "cuda", run="full"),
+    Mode("cuda-serve", "cuda", run="serve", layers="ci"),
+    Mode("cuda-serve-mxfp4", "cuda", run="serve", layers="ci", indexer="mxfp4"),
 )
 MODE_BY_NAME = {m.name: m for m in MODES}
 
@@ -395,11 +442,15 @@ def emulated(order: str, seed: int = 0, coverage: Any = None) -> Iterator[tuple[
 
 
 def run_mode(mode: Mode, impl: str, seed: int, steps: int, coverage: Any = None,
-             fault: Callable[[], Any] | None = None) -> dict[str, Any]:
+             fault: Callable[[], Any] | None = None, order_seed: int | None = None,
+             layers: str | None = None) -> dict[str, Any]:
     """One mode for one layer class: outputs, counts, fences, and under
     emulation the races and the emulator's launch counts. ``fault``: a
-    context manager entered around the run (a negative control)."""
+    context manager entered around the run (a negative control);
+    ``order_seed``: the emulator's (default ``seed``); ``layers``: a layer
+    pattern instead of the mode's (:data:`PATTERNS`, ``flash``)."""
     from controls import env
+    from serve import SCHEDULE, SERVE_BATCHES, run_serve
     from vllm import _harness_recording as R
     from vllm import _harness_standins as S
     from vllm import envs as venvs
@@ -414,20 +465,30 @@ def run_mode(mode: Mode, impl: str, seed: int, steps: int, coverage: Any = None,
         venvs.VLLM_MULTI_STREAM_GEMM_TOKEN_THRESHOLD = 0
     device = torch.device("cuda" if mode.where == "cuda" else "cpu")
     R.reset()
-    sim = (emulated(mode.order, seed, coverage) if mode.where == "sim"
+    sim = (emulated(mode.order, seed if order_seed is None else order_seed, coverage)
+           if mode.where == "sim"
            else contextlib.nullcontext((None, None)))
     try:
         with env(VLLM_DSV4_WORKSPACE_DEBUG="1" if mode.debug else None,
                  HARNESS_CUTEDSL="1" if mode.cutedsl else None), sim as (rt, det), \
                 (fault() if fault is not None else contextlib.nullcontext()):
+            serving = mode.run == "serve"
             m = Model(impl, device, seed, policy=mode.policy,
                       aux_streams=mode.where != "cpu", mrv1=mode.mrv1,
-                      sim=mode.where == "sim", layers=mode.stage)
+                      sim=mode.where == "sim", layers=mode.stage,
+                      ratios=pattern(layers or mode.layers),
+                      batches=SERVE_BATCHES if serving else (BATCH,), indexer=mode.indexer)
             if det is not None and m.ws is not None and m.ws.storage is not None:
                 det.add_region(m.ws.storage, workspace_namer(m.ws))
+                det.watch_leases(m.ws, workspace_namer(m.ws))
             dbo = DboRunner(m, rt.activate if rt is not None else None) if mode.dbo else None
             if mode.run == "eager":
                 res = run_eager(m, steps, dbo)
+            elif serving:
+                res = run_serve(m, SCHEDULE, dbo or DboRunner(m, rt.activate if rt else None),
+                                mrv1=mode.mrv1, det=det, phase=phase, leases=leases)
+                res["leases_expected_per_step"] = [
+                    mode.expected_leases(s.graph, len(s.ubatches), layers) for s in SCHEDULE]
             elif mode.run == "piecewise":
                 res = run_piecewise(m, steps, capture_metadata=not mode.mrv1, det=det)
             else:
@@ -441,7 +502,9 @@ def run_mode(mode: Mode, impl: str, seed: int, steps: int, coverage: Any = None,
                 res["emulator"] = {"order": mode.order, "launches": rt.launches,
                                    "captured_launches": rt.captured_launches,
                                    "replayed_launches": rt.replayed_launches,
-                                   "host_syncs": rt.host_syncs}
+                                   "host_syncs": rt.host_syncs,
+                                   "allocator": (dict(rt.alloc.counts) if rt.alloc is not None
+                                                 else None)}
                 res["races"] = det.summary()
             if m.ws is not None:
                 res["workspace_layers"] = list(m.ws.layers)

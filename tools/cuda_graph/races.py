@@ -98,7 +98,7 @@ class RaceDetector:
         self.regions: list[tuple[int, int, Callable[[int], str]]] = []
         self.stream_names: dict[int, str] = {}
         self.races: list[dict[str, Any]] = []
-        self._seen: set[tuple[str, str, str, str, str]] = set()
+        self._seen: set[tuple[str, ...]] = set()
         self.max_reports = max_reports
         self.launches = 0
         self.total = 0
@@ -106,11 +106,55 @@ class RaceDetector:
         # with every unordered pair), and say so.
         self.saturate_at = saturate_at
         # "capture": eager code while a graph is being captured (vLLM's eager
-        # break runs once at capture on buffers whose captured producers have
-        # not run: its values are never used); counted apart from "run".
+        # break runs once at capture, for real, on buffers whose captured
+        # producers have not run). Its values are never used, but its accesses
+        # are real device work: a race there is a race, counted with the others
+        # and also apart (``races_in_capture``).
         self.phase = "run"
         self.at_capture = 0
         self._alive: list[Any] = []
+        # With simcuda's caching-allocator model (allocator.py) allocations are its
+        # events: a fresh block starts a new history, a reused block keeps its
+        # own, and only tensors made outside the model are kept alive.
+        self.allocator: Any = None
+        self._workspaces: list[tuple[Any, Callable[[int], str]]] = []
+        self.undeclared = 0  # workspace accesses on a stream the holding lease never declared
+        self.undeclared_first: list[dict[str, Any]] = []
+
+    def watch_leases(self, workspace: Any, namer: Callable[[int], str]) -> None:
+        """Check every access to ``workspace``'s bytes, at run time and at capture,
+        against the live lease that holds them: its stream must be one the lease
+        declared (its producer's, or a consumer's from ``used_on``). The fences
+        order exactly those streams, so an access on another one is unordered by
+        construction (a race waiting for a schedule that shows it)."""
+        self._workspaces.append((workspace, namer))
+
+    def _check_leases(self, stream: Any, args: Any, kwargs: Any, outputs: Any) -> None:
+        for ws, namer in self._workspaces:
+            storage = ws.storage
+            if storage is None:
+                continue
+            ptr = storage.untyped_storage().data_ptr()
+            for t in pytree.tree_leaves((args, kwargs, outputs)):
+                if not isinstance(t, torch.Tensor) or not t.numel() \
+                        or t.untyped_storage().data_ptr() != ptr:
+                    continue
+                es = t.element_size()
+                lo = t.storage_offset() * es
+                hi = lo + (1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))) * es
+                for slot in ws._slots:
+                    lease = slot.holder
+                    if lease is None or not (slot.offset < hi and lo < slot.offset + slot.nbytes):
+                        continue
+                    if any(s is stream or s == stream for s in lease.streams):
+                        continue
+                    self.undeclared += 1
+                    if len(self.undeclared_first) < 8:
+                        self.undeclared_first.append({
+                            "buffer": namer(slot.offset), "layer": lease.layer_name,
+                            "stream": self.stream_names.get(stream.cuda_stream, "?"),
+                            "declared": [self.stream_names.get(s.cuda_stream, "?")
+                                         for s in lease.streams], "phase": self.phase})
 
     def add_region(self, base: torch.Tensor, namer: Callable[[int], str]) -> None:
         """Cells of 256 bytes over ``base``'s storage; ``namer(byte_offset)`` names them."""
@@ -159,23 +203,49 @@ class RaceDetector:
     def _on_sync_stream(self, stream: Any) -> None:
         self.handler._handle_stream_synchronization(stream.cuda_stream)
 
+    def _on_allocator(self, allocator: Any) -> None:
+        self.allocator = allocator
+
+    def _on_alloc(self, storage: Any) -> None:
+        base, size = storage.data_ptr(), storage.nbytes()
+        cell = max(4096, -(-size // MAX_CELLS))
+        for c in range(0, -(-size // cell)):
+            self.handler._handle_memory_allocation(base + c * cell)
+
+    def _keep(self, *tensors: Any) -> None:
+        if self.allocator is None:
+            self._alive.append(tensors)
+            return
+        pooled = self.allocator.by_ptr
+        self._alive.extend(t for t in pytree.tree_leaves(tensors)
+                           if isinstance(t, torch.Tensor)
+                           and t.untyped_storage().data_ptr() not in pooled)
+
     def _on_sync_all(self) -> None:
         self.handler._handle_device_synchronization()
         self._alive.clear()
 
+    def _on_captured_launch(self, stream: Any, func: Any, args: Any, kwargs: Any,
+                            outputs: Any) -> None:
+        if self._workspaces:
+            self._check_leases(stream, args, kwargs, outputs)
+
     def _on_launch(self, stream: Any, func: Any, args: Any, kwargs: Any, outputs: Any) -> None:
         self.launches += 1
+        if self._workspaces:
+            self._check_leases(stream, args, kwargs, outputs)
         if self.total >= self.saturate_at:
             return
         schema = func._schema
         if schema.name.split("::")[-1] in NO_KERNEL:
             # An allocation, not a kernel: no stream touches the bytes (CSAN's
             # pattern would call ``empty``'s result a write on the stream).
-            for t in pytree.tree_leaves(outputs):
-                if isinstance(t, torch.Tensor) and t.numel():
-                    for c in self._cells(t):
-                        self.handler._handle_memory_allocation(c)
-            self._alive.append(outputs)
+            if self.allocator is None:
+                for t in pytree.tree_leaves(outputs):
+                    if isinstance(t, torch.Tensor) and t.numel():
+                        for c in self._cells(t):
+                            self.handler._handle_memory_allocation(c)
+            self._keep(outputs)
             return
         is_factory = bool(csan.FACTORY_FUNCTION_REGEX.match(schema.name.split("::")[-1]))
         h = _Args(self._cells, is_factory)
@@ -184,13 +254,14 @@ class RaceDetector:
         # tensor at once (a GPU caching allocator keeps it per stream), and a
         # tensor made outside the dispatcher (a wrapped scalar) is never seen
         # allocated, so it would inherit the old history.
-        self._alive.append((args, kwargs, outputs))
+        self._keep(args, kwargs, outputs)
         h.parse_inputs(schema, args, kwargs, is_factory=is_factory)
         inputs = h.dataptrs_read | h.dataptrs_written
         h.parse_outputs(schema, outputs, is_factory=is_factory)
         written = h.dataptrs_written
-        for c in h.fresh - inputs:
-            self.handler._handle_memory_allocation(c)
+        if self.allocator is None:
+            for c in h.fresh - inputs:
+                self.handler._handle_memory_allocation(c)
         for c in h.fresh:
             h.tensor_aliases.setdefault(c, [])
         errors = self.handler._handle_kernel_launch(
@@ -203,12 +274,11 @@ class RaceDetector:
         assert isinstance(e, csan.UnsynchronizedAccessError)
         if self.phase == "capture":
             self.at_capture += 1
-            return
         cur, prev = e.current_access, e.previous_access
         name = self._name(e.data_ptr)
         sn = self.stream_names
         key = (name, str(cur.operator), str(prev.operator), sn.get(cur.stream, "?"),
-               sn.get(prev.stream, "?"))
+               sn.get(prev.stream, "?"), self.phase)
         self.total += 1
         if key in self._seen:
             return
@@ -220,12 +290,15 @@ class RaceDetector:
                 "op": str(cur.operator), "stream": sn.get(cur.stream, str(cur.stream)),
                 "previous_op": str(prev.operator),
                 "previous_stream": sn.get(prev.stream, str(prev.stream)),
+                "phase": self.phase,
             })
 
     def summary(self) -> dict[str, Any]:
         return {"races": self.total, "saturated": self.total >= self.saturate_at,
                 "distinct": len(self._seen), "launches": self.launches,
-                "races_in_capture_time_eager_code": self.at_capture, "first": self.races[:8]}
+                "races_in_capture": self.at_capture,
+                "undeclared_stream_accesses": self.undeclared,
+                "undeclared_first": self.undeclared_first, "first": self.races[:8]}
 
 
 def torch_version_tested() -> bool:

@@ -29,6 +29,10 @@ import itertools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from allocator import materialize
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_map
+
 if TYPE_CHECKING:
     from simcuda import SimStream, _Token
 
@@ -49,10 +53,15 @@ class SimGraph:
         self.origin: SimStream | None = None
         self.replays = 0
         self.replay_streams: dict[int, SimStream] = {}
+        self.pool_id: Any = None
 
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
         rt = SimGraph.rt
         assert rt is not None
+        # Its allocations come from ``pool`` (shared with the graphs given the same
+        # handle) or from a private pool of its own.
+        self.pool_id = pool if pool is not None else ("graph", self.id)
+        rt.graphs.append(self)
         rt.begin_capture(self, rt.current_stream())
 
     def capture_end(self) -> None:
@@ -69,7 +78,7 @@ class SimGraph:
         self.entries.clear()
 
     def pool(self) -> Any:
-        return ("pool", self.id)
+        return self.pool_id if self.pool_id is not None else ("graph", self.id)
 
     @property
     def num_launches(self) -> int:
@@ -111,6 +120,8 @@ class GraphRuntime:
                         clock[k][kk] = v
         for s in graph.streams:
             del self._capture[s.cuda_stream]
+        if self.alloc is not None:
+            self.alloc.capture_ended()
         unjoined = [s.name for s in graph.streams if s is not origin
                     and clock[origin.cuda_stream].get(s.cuda_stream, 0) < pos[s.cuda_stream]]
         if unjoined:
@@ -145,7 +156,12 @@ class GraphRuntime:
                 self.enqueue_wait(target, tokens[item.id])
             else:
                 job = copy.copy(item)
-                self._observe("launch", target, job.func, job.args, job.kwargs, job.outputs)
+                # The detector sees the replayed tensors (a launch may hold
+                # allocator.Ref recipes instead of tensors: views made here, not ops).
+                with _disable_current_modes():
+                    seen = tuple(tree_map(materialize, x)
+                                 for x in (job.args, job.kwargs, job.outputs))
+                self._observe("launch", target, job.func, *seen)
                 self.replayed_launches += 1
                 target.queue.append(("op", job))
                 self._settle(target)

@@ -22,10 +22,14 @@ CUDA's semantics, kept here:
 
 Execution policy (``policy``): ``"program"`` runs each launch as it is
 enqueued (a legal order: the order the host issued it); ``"lazy"`` runs
-work on side streams only when something must wait for it (an event wait
-that names it, a synchronisation, a host read), which is the latest order
-CUDA allows and turns a missing fence into wrong bits; ``"random"`` drains
-random side-stream prefixes at each launch (``seed``). Every launch, record
+work on every stream, the default one included, only when something must
+wait for it (an event wait that names it, a synchronisation, a host read),
+which is the latest order CUDA allows and turns a missing fence into wrong
+bits in either direction (a default-stream read overtaken by an unfenced
+side-stream write, or the reverse); ``"random"`` drains random prefixes of
+every stream at each launch (``seed``). A host read that bypasses the
+dispatcher (``Tensor.tolist`` / ``numpy``) synchronises first, as a device
+tensor's copy to the host does. Every launch, record
 and wait is also reported to ``observer`` (the race detector) in issue
 order, with the stream it was enqueued on, the way CUDA's sanitizer sees a
 GPU trace.
@@ -42,6 +46,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from allocator import CachingAllocator, materialize, patched_record_stream
 from replay import GraphRuntime, SimCudaError, SimGraph
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
@@ -162,9 +167,11 @@ class _Launch:
 
     def run(self) -> None:
         with _disable_current_modes():
-            res = self.func(*self.args, **self.kwargs)
+            args, kwargs = tree_map(materialize, self.args), tree_map(materialize, self.kwargs)
+            res = self.func(*args, **kwargs)
             if not self.inplace:
-                for dst, src in zip(tree_flatten(self.outputs)[0], tree_flatten(res)[0]):
+                outputs = tree_map(materialize, self.outputs)
+                for dst, src in zip(tree_flatten(outputs)[0], tree_flatten(res)[0]):
                     if isinstance(dst, torch.Tensor) and dst is not src:
                         dst.copy_(src)
 
@@ -187,6 +194,10 @@ def _is_view(schema: Any) -> bool:
 
 def _writes(schema: Any) -> bool:
     return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
+def _draws(schema: Any) -> bool:
+    return any("Generator" in str(a.type) for a in schema.arguments)
 
 
 def _to_meta(x: Any) -> Any:
@@ -218,7 +229,7 @@ class SimCuda(GraphRuntime):
     """
 
     def __init__(self, policy: str = "program", observer: Callable[..., None] | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, allocator: bool = True) -> None:
         if policy not in ("program", "lazy", "random"):
             raise ValueError(f"policy: expected program, lazy or random, got {policy!r}")
         self.policy = policy
@@ -233,6 +244,14 @@ class SimCuda(GraphRuntime):
         self.captured_launches = 0
         self.replayed_launches = 0
         self.host_syncs = 0
+        self._pool_ids = itertools.count()
+        self.graphs: list[SimGraph] = []  # captured here (emptied at uninstall)
+        # allocator.py: PyTorch's caching allocator and graph pools (None: every
+        # result from the CPU allocator, kept alive until a synchronisation).
+        self.alloc = CachingAllocator(self) if allocator else None
+        self._unpooled: list[Any] = []  # results made outside the model: never freed
+        if self.alloc is not None:
+            self._observe("allocator", self.alloc)
 
     # --- streams ---------------------------------------------------------------------
 
@@ -270,6 +289,14 @@ class SimCuda(GraphRuntime):
 
     def new_stream(self, name: str | None = None) -> SimStream:
         return SimStream(self, name or f"s{len(self.streams)}")
+
+    def capture_pool(self, stream: SimStream) -> Any:
+        """The graph pool an allocation on ``stream`` comes from (None: none)."""
+        graph = self._capture.get(stream.cuda_stream)
+        return graph.pool_id if graph is not None else None
+
+    def new_pool(self) -> Any:
+        return ("pool", next(self._pool_ids))
 
     def capturing(self, stream: SimStream | None = None) -> bool:
         s = stream if stream is not None else self.current_stream()
@@ -327,6 +354,7 @@ class SimCuda(GraphRuntime):
             self.drain_all()
             with _disable_current_modes():
                 out = func(*args, **kwargs)
+            self._unpooled.append(out)
             self._observe("launch", stream, func, args, kwargs, out)
             return out
         if _is_view(schema):  # metadata only: no kernel
@@ -334,17 +362,41 @@ class SimCuda(GraphRuntime):
                 return func(*args, **kwargs)
         inplace = _writes(schema)
         base = name.rstrip("_")
-        defer = graph is not None or (self.policy != "program" and stream is not self.default)
+        defer = graph is not None or self.policy != "program"
+        if graph is None and _draws(schema):
+            # A random op draws from its generator when it runs, and computing its
+            # meta shape draws too: run it now, in order, so the draws match.
+            self.drain_all()
+            defer = False
         if inplace:
             outputs = self._inplace_result(schema, args, kwargs)
             if outputs is None:
                 raise SimCudaError(f"{name}: cannot tell what the in-place op returns")
-        elif not defer or base in _NO_KERNEL_FACTORIES:
-            with _disable_current_modes():
-                outputs = func(*args, **kwargs)
+        elif self.alloc is not None and not (not defer and _draws(schema)):
+            # Every allocation from the caching-allocator model: the op's result
+            # goes into a block of this stream (or of the capture's pool).
+            try:
+                meta = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
+            except Exception:  # noqa: BLE001 - no meta kernel: run it now (a legal order)
+                if graph is not None:
+                    raise
+                return self._run_now(stream, func, args, kwargs)
+            outputs = tree_map(lambda m: self._block_tensor(m, stream), meta)
             if base in _NO_KERNEL_FACTORIES:
                 self._observe("launch", stream, func, args, kwargs, outputs)
                 return outputs
+        elif not defer or base in _NO_KERNEL_FACTORIES:
+            with _disable_current_modes():
+                outputs = func(*args, **kwargs)
+            if self.alloc is not None:
+                outputs = self._into_blocks(outputs, stream)
+            if base in _NO_KERNEL_FACTORIES:
+                self._observe("launch", stream, func, args, kwargs, outputs)
+                return outputs
+            if self.alloc is None or _draws(schema):
+                self._observe("launch", stream, func, args, kwargs, outputs)
+                self.launches += 1
+                return outputs  # ran above, in issue order
         else:
             try:
                 meta = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
@@ -352,23 +404,66 @@ class SimCuda(GraphRuntime):
             except Exception:  # noqa: BLE001 - no meta kernel: run it now (a legal order)
                 if graph is not None:
                     raise
-                self.drain_all()
-                with _disable_current_modes():
-                    outputs = func(*args, **kwargs)
-                self._observe("launch", stream, func, args, kwargs, outputs)
-                return outputs
-        job = _Launch(func, args, kwargs, outputs, inplace)
+                return self._run_now(stream, func, args, kwargs)
+        if self.alloc is not None:
+            # As on a GPU, a queued kernel does not keep its tensors allocated.
+            ref = self.alloc.ref
+            job = _Launch(func, tree_map(ref, args), tree_map(ref, kwargs),
+                          tree_map(ref, outputs), inplace)
+        else:
+            job = _Launch(func, args, kwargs, outputs, inplace)
         if graph is not None:
             graph.entries.append((stream, "op", job))
             self.captured_launches += 1
+            self._observe("captured_launch", stream, func, args, kwargs, outputs)
             return outputs
         self._observe("launch", stream, func, args, kwargs, outputs)
         self.launches += 1
-        if not inplace and not defer:
-            return outputs  # ran above, in issue order
         stream.queue.append(("op", job))
-        self._settle(stream)
+        if defer:
+            self._settle(stream)
+        else:
+            self._drain(stream)
         return outputs
+
+    def _run_now(self, stream: SimStream, func: Any, args: tuple, kwargs: dict) -> Any:
+        self.drain_all()
+        with _disable_current_modes():
+            outputs = func(*args, **kwargs)
+        if self.alloc is not None:
+            outputs = self._into_blocks(outputs, stream)
+        self._observe("launch", stream, func, args, kwargs, outputs)
+        return outputs
+
+    def _block_tensor(self, meta: Any, stream: SimStream) -> Any:
+        if not isinstance(meta, torch.Tensor):
+            return meta
+        assert self.alloc is not None
+        with _disable_current_modes():
+            t = self.alloc.empty(meta, stream)
+            if self.alloc.counts["fresh"] and t.numel() and self._fresh_block(t):
+                # A fresh block holds no value yet: NaN (0 for integers) shows a read
+                # before any write. A reused block keeps its bytes, as on a GPU.
+                t.fill_(float("nan")) if t.is_floating_point() else t.zero_()
+        return t
+
+    def _fresh_block(self, t: torch.Tensor) -> bool:
+        assert self.alloc is not None
+        return self.alloc.last_fresh == t.untyped_storage().data_ptr()
+
+    def _into_blocks(self, outputs: Any, stream: SimStream) -> Any:
+        """Results computed now by the CPU allocator, copied into blocks."""
+
+        def move(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            t = self._block_tensor(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype,
+                                                       device="meta"), stream)
+            with _disable_current_modes():
+                t.copy_(x)
+            return t
+
+        return tree_map(move, outputs)
 
     @staticmethod
     def _inplace_result(schema: Any, args: tuple, kwargs: dict) -> Any:
@@ -388,7 +483,7 @@ class SimCuda(GraphRuntime):
 
     def _settle(self, stream: SimStream) -> None:
         """Run what the policy runs now (after an enqueue on ``stream``)."""
-        if self.policy == "program" or stream is self.default:
+        if self.policy == "program":
             self._drain(stream)
         if self.policy == "random":
             for s in list(self.streams):
@@ -454,13 +549,19 @@ class SimCuda(GraphRuntime):
             "synchronize": self.synchronize,
             "CUDAGraph": SimGraph,
             "graph": self.graph_ctx,
-            "graph_pool_handle": lambda: ("pool", "sim"),
+            "graph_pool_handle": self.new_pool,
             "is_current_stream_capturing": lambda: self.capturing(),
             "_sleep": lambda cycles: None,
             "current_device": lambda: 0,
         }
         saved = {k: cuda.__dict__.get(k, _MISSING) for k in names}
         saved_event = torch.Event
+        host_reads = {k: getattr(torch.Tensor, k) for k in ("tolist", "numpy")}
+        for k, f in host_reads.items():
+            setattr(torch.Tensor, k, self._host_read(f))
+        saved_record = torch.Tensor.record_stream
+        torch.Tensor.record_stream = patched_record_stream(  # type: ignore[method-assign]
+            lambda: self.alloc, saved_record)
         SimEvent.rt = SimGraph.rt = self
         for k, v in names.items():
             setattr(cuda, k, v)
@@ -477,7 +578,30 @@ class SimCuda(GraphRuntime):
                 else:
                     setattr(cuda, k, v)
             torch.Event = saved_event  # type: ignore[misc]
+            for k, f in host_reads.items():
+                setattr(torch.Tensor, k, f)
+            torch.Tensor.record_stream = saved_record  # type: ignore[method-assign]
+            if self.alloc is not None:
+                self.alloc.close()
+            for g in self.graphs:  # nothing replays after the runtime is gone
+                g.reset()
+            self.graphs.clear()
             SimEvent.rt = SimGraph.rt = None
+
+    def _host_read(self, read: Callable[..., Any]) -> Callable[..., Any]:
+        """``Tensor.tolist`` / ``numpy`` read memory without the dispatcher: on a
+        GPU the copy to the host synchronises; here it drains every stream."""
+        rt = self
+
+        def host_read(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if rt._capture and rt.capturing():
+                raise SimCudaError("host read of a tensor while the stream captures")
+            rt.host_syncs += 1
+            rt.drain_all()
+            rt._observe("sync_all")
+            return read(t, *args, **kwargs)
+
+        return host_read
 
     @contextlib.contextmanager
     def activate(self) -> Iterator[None]:

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from vllm_dsv4_backend.formats import fp8_ds_mla
+from vllm_dsv4_backend.formats import fp8_ds_mla, mxfp4
 from vllm_dsv4_backend.ops import indexer as indexer_ops
 
 ENTRY_BYTES = 584
@@ -263,8 +263,35 @@ def indexer_q_fp8_cutedsl(*, positions: torch.Tensor, q: torch.Tensor,
                   q_fp8=q_fp8.view(torch.float8_e4m3fn), weights_out=weights_out)
 
 
-def indexer_q_mxfp4(**_: Any) -> None:
-    raise NotImplementedError("the harness covers the FP8 indexer cache only")
+def indexer_q_mxfp4(*, positions: torch.Tensor, q: torch.Tensor, cos_sin_cache: torch.Tensor,
+                    weights: torch.Tensor, weights_softmax_scale: float,
+                    weights_head_scale: float, q_packed: torch.Tensor, q_scale: torch.Tensor,
+                    weights_out: torch.Tensor) -> None:
+    """Index q RoPE + MXFP4 (blocks of 32, ue8m0 scale bytes; the rounding of
+    ``formats.mxfp4``); the head weights carry only the softmax and head
+    scales (vLLM's wrapper: per-block scales cannot fold into a weight)."""
+    from vllm._harness_recording import ContractError
+
+    for name, t in (("q_packed", q_packed), ("q_scale", q_scale)):
+        if t.dtype != torch.uint8:
+            raise ContractError(f"MXFP4 index q kernel: {name} must be uint8, got {t.dtype}")
+    with kernel_region():
+        x = rope_last(q.float(), positions, cos_sin_cache).to(torch.bfloat16).float()
+        mxfp4.quantize(x, out_packed=q_packed, out_scale=q_scale)
+        weights_out.copy_((weights.float() * weights_softmax_scale) * weights_head_scale)
+
+
+def indexer_q_mxfp4_triton(*, positions: torch.Tensor, index_q: torch.Tensor,
+                           index_q_cos_sin_cache: torch.Tensor, index_weights: torch.Tensor,
+                           index_weights_softmax_scale: float,
+                           index_weights_head_scale: float, index_q_packed: torch.Tensor,
+                           index_q_scale: torch.Tensor, index_weights_out: torch.Tensor
+                           ) -> None:
+    """``_FUSED_INDEXER_Q_ROPE_MXFP4_TRITON_KERNEL``."""
+    indexer_q_mxfp4(positions=positions, q=index_q, cos_sin_cache=index_q_cos_sin_cache,
+                    weights=index_weights, weights_softmax_scale=index_weights_softmax_scale,
+                    weights_head_scale=index_weights_head_scale, q_packed=index_q_packed,
+                    q_scale=index_q_scale, weights_out=index_weights_out)
 
 
 def store_full_kv(**_: Any) -> None:
@@ -295,6 +322,12 @@ class IndexerOp:
         q = q_quant[0] if isinstance(q_quant, tuple) else q_quant
         nap(q)
         with kernel_region():
+            if isinstance(q_quant, tuple):
+                # MXFP4: packed values [T, H, D/2] and the four ue8m0 scale bytes
+                # of each (token, head) as one int32 [T, H] (vLLM's wrapper).
+                packed, scale = q_quant
+                q = mxfp4.dequantize(packed, scale.contiguous().view(torch.uint8)
+                                     .view(*packed.shape[:-1], -1))
             t = q.shape[0]
             width = md.max_compressed  # host int, fixed per batch shape
             rows = self.k_cache.kv_cache.view(-1, q.shape[-1])

@@ -199,6 +199,72 @@ MUTANTS: tuple[Mutant, ...] = (
         "    def _sparse_indexer_and_attn(\n",
         "pytest:tests/cuda/test_structure.py",
     ),
+    # --- issue 39's classes: capture, the caching allocator, lease streams, regions ---
+    Mutant(
+        "fences-dropped-inside-capture",
+        "fences dropped whenever either side is capturing, not only across a capture: "
+        "hand-overs inside one graph lose their event",
+        KERNELS,
+        "        if _is_capturing(stream) != _is_capturing(src):\n",
+        "        if _is_capturing(stream) or _is_capturing(src):\n",
+        "control:no_fence",
+    ),
+    Mutant(
+        "off-record-stream-omitted",
+        "the off policy's record_stream calls removed: the caching allocator hands a "
+        "lease's block back to its producer's stream while a consumer still reads it",
+        MANAGER,
+        "                    backend.record_stream(v, s)\n",
+        "                    pass\n",
+        "control:no_fence",
+    ),
+    Mutant(
+        "topk-released-only-while-capturing",
+        "a release only while a capture is active: outside capture the C4 decode "
+        "top-k region is opened and never closed",
+        LAYER,
+        "                        region = stack.enter_context(\n"
+        "                            eager.Region(ws, self.prefix, num_decode_tokens, "
+        "core.ubatch_id())\n"
+        "                        )\n",
+        "                        region = eager.Region(ws, self.prefix, num_decode_tokens,\n"
+        "                                              core.ubatch_id()).__enter__()\n"
+        "                        if torch.cuda.is_current_stream_capturing():\n"
+        "                            stack.callback(region.__exit__, None, None, None)\n",
+        "harness:sim-eager",
+    ),
+    Mutant(
+        "home-stream-kept-from-first-forward",
+        "a micro-batch's consumer stream kept from an earlier forward: a region opened "
+        "on a capture stream declares the stream of the first forward as its consumer",
+        CORE,
+        "            self._homes[ubatch] = ws.backend.current_stream()\n"
+        "            try:\n"
+        "                yield region\n"
+        "            finally:\n"
+        "                self._regions.pop(ubatch, None)\n"
+        "                self._homes.pop(ubatch, None)\n",
+        "            self._homes.setdefault(ubatch, ws.backend.current_stream())\n"
+        "            try:\n"
+        "                yield region\n"
+        "            finally:\n"
+        "                self._regions.pop(ubatch, None)\n",
+        "harness:sim-full",
+    ),
+    Mutant(
+        "finished-region-reused-after-step",
+        "a finished region kept and reused in the next forward (its leases never "
+        "handed back, their fences never taken again)",
+        CORE,
+        "        with eager.Region(ws, self.layer_name, num_tokens, ubatch) as region:\n",
+        "        _kept = globals().setdefault(\"_DSV4_KEPT\", {})\n"
+        "        _old = _kept.get((id(self), ubatch))\n"
+        "        if _old is None or _old.num_tokens != num_tokens:\n"
+        "            _old = _kept[(id(self), ubatch)] = eager.Region(\n"
+        "                ws, self.layer_name, num_tokens, ubatch)\n"
+        "        with contextlib.nullcontext(_old) as region:\n",
+        "harness:sim-serve",
+    ),
     # --- the adapter held to vLLM's own kernel calls (contract: the harness's
     # recording stand-ins, both layers in one mode) ---
     Mutant(

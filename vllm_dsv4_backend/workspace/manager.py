@@ -97,7 +97,7 @@ from .sizing import (
     plan_layout,
     private_fit_tokens,
 )
-from .streams import StreamBackend, default_backend
+from .streams import CudaStreamBackend, StreamBackend, default_backend
 
 # The settings' names, for messages; envs.py is their only reader.
 ENV_POLICY = "VLLM_DSV4_WORKSPACE"
@@ -407,8 +407,9 @@ class WorkspaceManager:
 
     @contextlib.contextmanager
     def _alloc_context(self, stream: Any) -> Iterator[None]:
-        # The caching allocator ties a block to the stream it is allocated on.
-        if self.device.type == "cuda":
+        # The caching allocator ties a block to the stream it is allocated on
+        # (CUDA streams: a CUDA device, or emulated ones over a CPU tensor).
+        if self.device.type == "cuda" or isinstance(self._backend, CudaStreamBackend):
             with torch.cuda.stream(stream):
                 yield
         else:
@@ -480,14 +481,17 @@ class WorkspaceManager:
                     backend.record_stream(v, s)
         else:
             if self.debug:
-                # Poison after every consumer: fence the producer's stream behind
-                # them, then fill there. The slot's last user is then that stream.
-                producer = lease._streams[0]
+                # Poison after every user, on the stream the release is issued
+                # from: fence it behind the lease's streams, then fill there; the
+                # slot's last user is then that stream. (At a graph capture's eager
+                # break that stream is the one running the break: the fill stays
+                # ordered with the break's own reads of the slot.)
+                here = backend.current_stream()
                 slot.last_streams = tuple(lease._streams)
-                self._fence(slot, producer, lease._keys[0])
+                self._fence(slot, here, backend.stream_key(here))
                 views = lease.views
-                backend.launch(producer, lambda: _poison(views))
-                slot.last_streams = (producer,)
+                backend.launch(here, lambda: _poison(views))
+                slot.last_streams = (here,)
                 self._live.remove(lease)
             else:
                 slot.last_streams = tuple(lease._streams)
