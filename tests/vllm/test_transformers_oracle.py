@@ -40,7 +40,10 @@ EARLY_TOL and the mean at the first two C4 completions (p = 3, 7) <= C4_TOL.
 Negative controls (``VLLM_DSV4_TEST_ORACLE_FAULT``, read every step in the engine's
 own process): ``topk_off_by_one`` (every selected C4 entry id one less) and
 ``compress_late`` (compressed entry j visible from p = (j + 1) * ratio instead of
-(j + 1) * ratio - 1) must each exceed a bound.
+(j + 1) * ratio - 1) must each exceed a bound; so must the trained model's lm_eval
+controls (``tests/vllm/test_lm_eval_trained.py``), ``stale_kv`` (the window read misses
+the rows its own step wrote) and ``alias49236`` (#49236's aliased layout: the C4
+compressor scratch over the top-k table), checked here against transformers too.
 
 ``DSV4_ORACLE_FULL=1`` adds vLLM's own layer and the plugin's torch sparse MLA as
 engine variants, a 3500-token prompt and the chunked-prefill engine.
@@ -68,7 +71,7 @@ WORST_TOL = 0.8
 AGREE_MIN = 0.85
 EARLY_TOL = 0.08
 C4_TOL = 0.12
-FAULTS = ("topk_off_by_one", "compress_late")
+FAULTS = ("topk_off_by_one", "compress_late", "stale_kv", "alias49236")
 
 
 def _requests() -> list[dict[str, Any]]:
