@@ -17,6 +17,7 @@ import torch
 
 from vllm_dsv4_backend.formats.fp8_ds_mla import BYTES_PER_TOKEN as ENTRY_BYTES
 from vllm_dsv4_backend.ops import indexer as indexer_ops
+from vllm_dsv4_backend.workspace.lease import WorkspaceLeaseError
 
 
 class Region:
@@ -77,6 +78,40 @@ class Region:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class NoRegion:
+    """No region is open for this layer and micro-batch: what a layer's region
+    lookup returns outside its forward (a dummy or profile run; a piecewise graph
+    replay, which runs only the eager break, not the forward that opens the region).
+
+    Falsy, so a hook tests ``if not region`` and takes vLLM's path; a lease or
+    a release asked of it is refused with the reason (a region taken from the
+    wrong step), not an ``AttributeError`` on ``None``.
+    """
+
+    __slots__ = ("layer_name", "ubatch")
+    num_tokens = 0
+
+    def __init__(self, layer_name: str, ubatch: int) -> None:
+        self.layer_name = layer_name
+        self.ubatch = ubatch
+
+    def __bool__(self) -> bool:
+        return False
+
+    def _refuse(self, what: str, family: str) -> WorkspaceLeaseError:
+        return WorkspaceLeaseError(
+            f"layer {self.layer_name!r} (micro-batch {self.ubatch}) has no open region to "
+            f"{what} {family!r} from: this code runs outside the layer's forward (at a "
+            "piecewise graph replay only the eager break runs); open an eager.Region there"
+        )
+
+    def lease(self, family: str) -> Any:
+        raise self._refuse("lease", family)
+
+    def release(self, family: str) -> None:
+        raise self._refuse("release", family)
 
 
 def block_view(cache: torch.Tensor, block_size: int) -> torch.Tensor:

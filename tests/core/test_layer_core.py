@@ -426,17 +426,17 @@ def test_step_holder_per_micro_batch(monkeypatch):
     ids = [0]
     monkeypatch.setattr(core, "ubatch_id", lambda: ids[0])
     holder = core.RegionHolder(ws, "layers.0")
-    assert holder.current() is None
+    assert not holder.current()
     with holder.open(4) as s0:
         assert holder.current() is s0 and holder.home() == "cpu"
         ids[0] = 2
-        assert holder.current() is None
+        assert not holder.current()
         with holder.open(2) as s2:
             assert holder.current() is s2 and s2.ubatch == 2
             s2.lease("q")
         ids[0] = 0
         assert holder.current() is s0
-    assert holder.current() is None
+    assert not holder.current()
     assert ws.stats()["leased_bytes_now"] == 0
 
 

@@ -112,7 +112,7 @@ def _arm(spec: str) -> None:
                 _fault["fired"] = True
                 region = self._region
                 # What the step holds as it raises: what must come back.
-                _fault["held"] = list(region.held()) if region is not None else None
+                _fault["held"] = list(region.held()) if region else None
                 print(f"[fault] {self.prefix} raises at position {position} holding "
                       f"{_fault['held']} (pid {os.getpid()})", file=sys.stderr, flush=True)
                 raise InjectedLayerFault(f"{FAULT_TAG} in {self.prefix} at position "

@@ -309,9 +309,12 @@ class RegionHolder:
     def _ubatch(self) -> int:
         return ubatch_id() if self._lookup else 0
 
-    def current(self) -> eager.Region | None:
-        """The open region of the current micro-batch (``None`` outside one)."""
-        return self._regions.get(self._ubatch()) if self._regions else None
+    def current(self) -> eager.Region | eager.NoRegion:
+        """The open region of the current micro-batch (a falsy
+        :class:`~vllm_dsv4_backend.eager.NoRegion` outside one)."""
+        ubatch = self._ubatch()
+        region = self._regions.get(ubatch) if self._regions else None
+        return region if region is not None else eager.NoRegion(self.layer_name, ubatch)
 
     def home(self) -> Any:
         """The stream the current micro-batch's region was opened on."""

@@ -413,9 +413,9 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         self._markers = envs.VLLM_DSV4_MARKER_DIR is not None
 
     @property
-    def _region(self) -> eager.Region | None:
-        """This layer's open region of the current micro-batch (``None`` outside
-        its forward)."""
+    def _region(self) -> eager.Region | eager.NoRegion:
+        """This layer's open region of the current micro-batch (a falsy
+        ``NoRegion`` outside its forward)."""
         return self._regions.current()
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
@@ -693,7 +693,7 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         region = self._region
         num_tokens, num_heads, head_dim = o.shape
         groups, rank = self.n_local_groups, self.o_lora_rank
-        if region is None or get_forward_context().attn_metadata is None:
+        if not region or get_forward_context().attn_metadata is None:
             return super()._o_proj(o, positions)  # dummy / profile run: nothing leased
         if o.dtype != torch.bfloat16 or groups * rank > num_heads * head_dim:
             # Hand-over buffers the q.out lease cannot hold: vLLM allocates them.

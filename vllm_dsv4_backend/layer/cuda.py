@@ -215,7 +215,7 @@ class DSV4CudaIndexer(DeepseekV4Indexer):
     ) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
         owner = core.owner_of(self)
         region = owner._dsv4_current_region() if owner is not None else None
-        if region is None:
+        if not region:
             # Dummy/profile run: vLLM's code, nothing leased.
             return super()._q_rope_quant(positions, q, rotary_emb, indexer_weights)
         if positions.shape[0] != region.num_tokens or (
@@ -282,13 +282,13 @@ class DSV4CudaCompressor(DeepseekCompressor):
         slot_mapping = state_metadata.slot_mapping
         num_actual = slot_mapping.shape[0]
         if (
-            region is None
+            not region
             or self.compress_ratio != 128
             or self.head_dim != 512
             or kv_cache.dtype != torch.uint8
             or num_actual > region.num_tokens
         ):
-            if region is not None and self.compress_ratio == 128 and positions.numel():
+            if region and self.compress_ratio == 128 and positions.numel():
                 # Served, but a layout (plain-row cache) or a size the scratch
                 # lease does not cover: vLLM's wrapper allocates its scratch.
                 owner._workspace.count_fallback(owner.prefix, "compressor")
@@ -394,7 +394,7 @@ class DSV4FlashMLAAttention(DeepseekV4FlashMLAAttention):
 
     # --- region state (per micro-batch) --------------------------------------------
 
-    def _dsv4_current_region(self) -> eager.Region | None:
+    def _dsv4_current_region(self) -> eager.Region | eager.NoRegion:
         return self._dsv4_regions.current()
 
     def _dsv4_home_stream(self) -> Any:
@@ -454,7 +454,7 @@ class DSV4FlashMLAAttention(DeepseekV4FlashMLAAttention):
 
     def _alloc_attn_out(self, num_tokens: int, hidden_states: torch.Tensor) -> Any:
         region = self._dsv4_current_region()
-        if region is None:
+        if not region:
             # Dummy/profile run: vLLM's code, nothing leased.
             return super()._alloc_attn_out(num_tokens, hidden_states)
         if num_tokens != region.num_tokens or hidden_states.dtype != torch.bfloat16:
@@ -489,7 +489,7 @@ class DSV4FlashMLAAttention(DeepseekV4FlashMLAAttention):
             # Its last consumer is enqueued. At piecewise-graph replay only this
             # body runs (no region): the lease was taken and returned at capture.
             region = self._dsv4_current_region()
-            if region is not None:
+            if region:
                 region.release("indexer_q")
 
         # MLA attention writes into the pre-allocated `out` buffer

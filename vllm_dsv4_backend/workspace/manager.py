@@ -443,11 +443,20 @@ class WorkspaceManager:
         for spec, off in slot.buffers:
             n = spec.nbytes(num_tokens)
             total += n
-            views[spec.name] = (
-                self._storage[off : off + n]
-                .view(spec.dtype)
-                .view(num_tokens, *spec.per_token_shape)
-            )
+            try:
+                views[spec.name] = (
+                    self._storage[off : off + n]
+                    .view(spec.dtype)
+                    .view(num_tokens, *spec.per_token_shape)
+                )
+            except RuntimeError as e:
+                # Built once per slot and token count; a byte range that does not
+                # hold the tokens asked for is the workspace's bug, named here.
+                raise WorkspaceLeaseError(
+                    f"workspace view {slot.family}.{spec.name} (slot {slot.index}): bytes "
+                    f"[{off}, {off + n}) do not hold {num_tokens} tokens of "
+                    f"{list(spec.per_token_shape)} {spec.dtype}: {e}"
+                ) from e
         entry = (types.MappingProxyType(views), total)
         slot.views[num_tokens] = entry
         return entry
