@@ -8,7 +8,7 @@ builds transformers' ``DeepseekV4ForCausalLM`` from the tiny config
 (``configs/tiny-dsv4``, written by ``scripts/make_tiny_model.py``, whose shape
 choices it keeps: FlashMLA-legal head_dim 512 = 448 + 64, 8 heads, indexer 64 x
 128), fills every tensor with the plugin's seeded fan-in rule
-(``vllm_dsv4_backend.dummy_init.init_tensor_``, keyed by the DeepSeek name, so
+(``vllm_dsv4_backend.vllm_compat.dummy_init.init_tensor_``, keyed by the DeepSeek name, so
 the values do not depend on module order), and saves it under DeepSeek's own
 checkpoint names (``embed.weight``, ``layers.N.attn.wq_a.weight``,
 ``layers.N.ffn.experts.E.w1.weight``, ``hc_head_fn`` ...): the names vLLM's
@@ -137,7 +137,7 @@ def deepseek_state_dict(cfg: dict[str, Any], seed: int) -> dict[str, Any]:
     import torch
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-    from vllm_dsv4_backend.dummy_init import _generator, init_tensor_
+    from vllm_dsv4_backend.vllm_compat.dummy_init import _generator, init_tensor_
 
     hf_cfg = DeepseekV4Config(**{k: v for k, v in cfg.items() if k != "architectures"})
     with torch.device("meta"):

@@ -8,7 +8,7 @@ template) trained with ``tokenizers`` on an inline corpus: no hub access, no
 weights. vLLM serves it with ``--load-format dummy``; the
 ``vllm_dsv4_dummy_init`` marker in ``config.json`` makes the plugin replace
 vLLM's near-zero dummy weights with seeded N(0, 1/fan_in) ones (see
-``vllm_dsv4_backend.dummy_init``).
+``vllm_dsv4_backend.vllm_compat.dummy_init``).
 
 Shape choices (vLLM 0.32 CPU build constraints in brackets):
 
@@ -183,7 +183,7 @@ def model_config(vocab_size: int, bos_id: int, eos_id: int) -> dict:
         "routed_scaling_factor": 1.5,
         "swiglu_limit": 10.0,
         "expert_dtype": "fp4",
-        # honoured by vllm_dsv4_backend.dummy_init under --load-format dummy
+        # honoured by vllm_dsv4_backend.vllm_compat.dummy_init under --load-format dummy
         "vllm_dsv4_dummy_init": {"kind": "fan_in_normal", "seed": 0},
     }
 

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from vllm_dsv4_backend import dummy_init
+from vllm_dsv4_backend.vllm_compat import dummy_init
 
 
 def _col_loader(rank: int, tp: int):

@@ -623,13 +623,11 @@ def test_run_logged_failure_has_tail(tmp_path: Path) -> None:
     R.run_logged([sys.executable, "-c", "pass"], tmp_path / "y.log", dict(os.environ), "ok")
 
 
-@pytest.mark.parametrize("module", ["vllm_dsv4_backend.run", "vllm_dsv4_backend.runner"])
-def test_console_script_help(module: str) -> None:
-    """`python -m <module> --help` works without vLLM or lm_eval imports (``runner``:
-    the shim older console scripts point at)."""
+def test_console_script_help() -> None:
+    """`python -m vllm_dsv4_backend.run --help` works without vLLM or lm_eval imports."""
     code = (
         "import sys, runpy; sys.argv=['vllm-dsv4-run','--help'];\n"
-        f"try:\n runpy.run_module({module!r}, run_name='__main__')\n"
+        "try:\n runpy.run_module('vllm_dsv4_backend.run', run_name='__main__')\n"
         "except SystemExit as e: assert e.code == 0\n"
         "assert 'vllm' not in sys.modules and 'lm_eval' not in sys.modules, 'heavy import'\n"
     )

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_dsv4_backend.guards import tp_shape_problems
+from vllm_dsv4_backend.vllm_compat.guards import tp_shape_problems
 
 FP8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
 # Attention and MoE widths per the published configs (shared/reference/).

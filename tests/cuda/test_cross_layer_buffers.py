@@ -33,9 +33,9 @@ from vllm.models.deepseek_v4.nvidia.flashmla import DeepseekV4FlashMLAAttention 
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 
 from tests.support.layer_streams import Model  # noqa: E402
-from vllm_dsv4_backend import guards, plugin  # noqa: E402
+from vllm_dsv4_backend import plugin  # noqa: E402
 from vllm_dsv4_backend.layer import cuda  # noqa: E402
-from vllm_dsv4_backend.vllm_compat import attention  # noqa: E402
+from vllm_dsv4_backend.vllm_compat import attention, guards  # noqa: E402
 from vllm_dsv4_backend.workspace.manager import Lease  # noqa: E402
 
 

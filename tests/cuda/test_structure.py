@@ -29,9 +29,14 @@ from vllm.models.deepseek_v4.nvidia.flashmla import (  # noqa: E402
 from vllm.models.deepseek_v4.sparse_mla import DeepseekV4FlashMLABackend  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 
-from vllm_dsv4_backend import attention_config, plugin  # noqa: E402
+from vllm_dsv4_backend import plugin  # noqa: E402
 from vllm_dsv4_backend.layer import cuda, get_attention_layer_cls  # noqa: E402
-from vllm_dsv4_backend.vllm_compat import attention, fingerprints, hooks  # noqa: E402
+from vllm_dsv4_backend.vllm_compat import (  # noqa: E402
+    attention,
+    attention_config,
+    fingerprints,
+    hooks,
+)
 
 PLUGIN = cuda.DSV4FlashMLAAttention
 # The CUDA layer's drift table, per role, for this vLLM.

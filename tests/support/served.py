@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from tests.support import ROOT
 from tests.support.vllm_helpers import healthy
-from vllm_dsv4_backend import runner as R
+from vllm_dsv4_backend import run as R
 
 if TYPE_CHECKING:
     import aiohttp

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests.support import ROOT, worker_env
-from vllm_dsv4_backend import runner as R
+from vllm_dsv4_backend import run as R
 
 # The tiny model's in-process engine (``vllm.LLM`` kwargs) in the tests that start one:
 # configs/serve/tiny-dsv4-cpu.yaml's settings (dummy seeded weights, the shipped

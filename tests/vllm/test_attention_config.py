@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_dsv4_backend.attention_config import normalize_attention_config  # noqa: E402
 from vllm_dsv4_backend.vllm_compat import patches  # noqa: E402
+from vllm_dsv4_backend.vllm_compat.attention_config import normalize_attention_config  # noqa: E402
 
 # The registry entries plugin.register() arms, applied now (this process loads no plugins).
 CONFIG_PATCHES = ("attention_config_json", "attention_config_init", "llm_attention_config")

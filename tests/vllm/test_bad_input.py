@@ -31,7 +31,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from tests.support.vllm_helpers import healthy, local_serve_config  # noqa: E402
-from vllm_dsv4_backend import runner as R  # noqa: E402
+from vllm_dsv4_backend import run as R  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 

@@ -105,7 +105,7 @@ def test_dsv4_vision_variant_with_the_flag_passes():
     # vLLM 0.33/0.34 build DeepseekV4ForConditionalGeneration's language model with
     # init_vllm_registered_model(..., "DeepseekV4ForCausalLM"): the plugin's layer serves
     # it. (vLLM's CPU build only has a stub for the vision class, so no engine here.)
-    from vllm_dsv4_backend import guards
+    from vllm_dsv4_backend.vllm_compat import guards
 
     cfg = _stub_config(["DeepseekV4ForConditionalGeneration"])
     guards.check_architecture(cfg)
@@ -120,7 +120,7 @@ def test_dsv4_vision_variant_with_the_flag_passes():
 # plugin stands aside with one line (issue 41; tests/cuda/test_cross_layer_buffers.py).
 @pytest.mark.parametrize("archs", [["DeepseekV3ForCausalLM"], ["LlamaForCausalLM"], []])
 def test_non_dsv4_architectures_are_still_refused(archs):
-    from vllm_dsv4_backend import guards
+    from vllm_dsv4_backend.vllm_compat import guards
 
     with pytest.raises(ValueError, match=r"serves only DeepSeek-V4 \(architectures "
                                          r"\['DeepseekV4ForCausalLM', "
@@ -138,7 +138,7 @@ def test_ray_executor_on_cpu_is_refused_at_startup_with_the_reason(caplog, monke
     from vllm.platforms import current_platform
     from vllm.v1.executor import ray_utils
 
-    from vllm_dsv4_backend import guards
+    from vllm_dsv4_backend.vllm_compat import guards
 
     # The vLLM facts the message states.
     assert current_platform.is_cpu() and current_platform.ray_device_key == ""

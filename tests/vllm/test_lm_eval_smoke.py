@@ -34,7 +34,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("lm_eval")
 
 from tests.support.vllm_helpers import local_serve_config  # noqa: E402
-from vllm_dsv4_backend import runner as R  # noqa: E402
+from vllm_dsv4_backend import run as R  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

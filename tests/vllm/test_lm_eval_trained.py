@@ -39,7 +39,7 @@ pytest.importorskip("lm_eval")
 
 from tests.support import ROOT, worker_env  # noqa: E402
 from tests.support import trained_eval as T  # noqa: E402
-from vllm_dsv4_backend import runner as R  # noqa: E402
+from vllm_dsv4_backend import run as R  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -63,7 +63,7 @@ from tests.support.served import (  # noqa: E402
     run_all,
 )
 from tests.support.vllm_helpers import local_serve_config  # noqa: E402
-from vllm_dsv4_backend import runner as R  # noqa: E402
+from vllm_dsv4_backend import run as R  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

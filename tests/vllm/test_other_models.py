@@ -105,8 +105,7 @@ def _worker(variant: str, models_dir: str, out_path: str) -> None:
         import vllm  # noqa: F401
 
         from tests.support import patch_failures as pf
-        from vllm_dsv4_backend import guards
-        from vllm_dsv4_backend.vllm_compat import patches
+        from vllm_dsv4_backend.vllm_compat import guards, patches
 
         errors = pf.capture_errors()
         pf.inject("after", [n for n in patches.PATCHES if n != "architecture_check"], {},

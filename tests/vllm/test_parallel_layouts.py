@@ -46,7 +46,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("aiohttp")
 
 from tests.support import served as S  # noqa: E402
-from vllm_dsv4_backend import runner as R  # noqa: E402
+from vllm_dsv4_backend import run as R  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -536,7 +536,7 @@ def test_fallback_flash_mla_matches_float64_attention():
 def test_dummy_init_rules_and_determinism():
     import torch
 
-    from vllm_dsv4_backend import dummy_init
+    from vllm_dsv4_backend.vllm_compat import dummy_init
 
     assert dummy_init.spec_from_config({"x": 1}) is None
     marker = {dummy_init.MARKER_KEY: {"kind": "fan_in_normal", "seed": 3}}

@@ -78,7 +78,7 @@ from vllm.models.deepseek_v4.attention import DeepseekV4Indexer
 from vllm.models.deepseek_v4.compressor import DeepseekCompressor
 from vllm.models.deepseek_v4.nvidia.flashmla import DeepseekV4FlashMLAAttention
 
-from vllm_dsv4_backend import attention_config, eager, envs, testing
+from vllm_dsv4_backend import eager, envs, testing
 from vllm_dsv4_backend.layer import core
 from vllm_dsv4_backend.layer.core import make_workspace, num_ubatches
 from vllm_dsv4_backend.layer.cuda_kernels import (
@@ -86,6 +86,7 @@ from vllm_dsv4_backend.layer.cuda_kernels import (
     GraphSafeCudaStreamBackend,
     VllmCudaKernels,
 )
+from vllm_dsv4_backend.vllm_compat import attention_config
 from vllm_dsv4_backend.vllm_compat.fingerprints import source_params
 from vllm_dsv4_backend.workspace import WorkspaceManager
 

@@ -14,8 +14,7 @@ One module per job:
 * :mod:`.cli` — the command line (``main``), running lm_eval and the benchmark;
 * :mod:`.common` — exit codes and errors.
 
-The names below are the runner's API (``from vllm_dsv4_backend import run``);
-``vllm_dsv4_backend.runner`` re-exports them for older imports.
+The names below are the runner's API (``from vllm_dsv4_backend import run``).
 """
 
 from __future__ import annotations

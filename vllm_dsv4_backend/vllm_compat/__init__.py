@@ -69,8 +69,8 @@ Modules:
   :mod:`.pipeline` — the pipeline-parallel fixes; :mod:`.collectives` — the DP ones;
   :mod:`.cpu_ops` — the ``_C`` fallbacks; :mod:`.attention` — the layer hook
   point; :mod:`.fingerprints` — drift checks of the vLLM bodies the layers repeat.
-  The config hooks live in :mod:`vllm_dsv4_backend.attention_config` and
-  :mod:`vllm_dsv4_backend.guards`.
+* :mod:`.attention_config` — the ``use_fp4_indexer_cache`` hooks; :mod:`.guards` —
+  the startup checks; :mod:`.dummy_init` — the seeded weights the dummy loader writes.
 
 Nothing here imports vLLM at module level.
 """

@@ -5,7 +5,7 @@
 ``DummyModelLoader.load_weights(self, model, model_config)``
 (``vllm/model_executor/model_loader/dummy_loader.py``) runs vLLM's own dummy
 initialisation; the wrapper then re-initialises the model's parameters with
-:mod:`vllm_dsv4_backend.dummy_init` when ``model_config.hf_config`` carries the
+:mod:`.dummy_init` when ``model_config.hf_config`` carries the
 marker (and ``VLLM_DSV4_DUMMY_INIT`` is not 0), through the parameters' own
 weight loaders so every tensor-parallel size gets the same model. Models
 without the marker are untouched. Runs before ``process_weights_after_loading``,
@@ -35,7 +35,7 @@ LOADER_SYMBOL = "DummyModelLoader.load_weights"
 def install(module: ModuleType, on_applied: Callable[[str], None]) -> bool:
     """Wrap ``DummyModelLoader.load_weights`` in ``module`` (checked signature,
     ``hooks.mark_port`` marker); False if already wrapped."""
-    from vllm_dsv4_backend import dummy_init
+    from vllm_dsv4_backend.vllm_compat import dummy_init
 
     owner, attr, original = hooks.resolve(module, LOADER_SYMBOL)
     if hooks.is_port(original):

@@ -41,11 +41,12 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from vllm_dsv4_backend import attention_config, guards
 from vllm_dsv4_backend._logging import init_logger
 from vllm_dsv4_backend.vllm_compat import (
     attention,
+    attention_config,
     collectives,
+    guards,
     hooks,
     kernels,
     loader,
@@ -270,8 +271,8 @@ PATCHES: dict[str, Patch] = {
             "tiny model cannot tell a right attention from a wrong one. The vllm_dsv4_dummy_init "
             "marker in a model's config.json asks for seeded fan-in weights instead.",
             how="wraps DummyModelLoader.load_weights: vLLM's dummy init, then "
-            "vllm_dsv4_backend.dummy_init through the parameters' own weight loaders, only for "
-            "models carrying the marker (VLLM_DSV4_DUMMY_INIT=0 turns it off)",
+            "vllm_dsv4_backend.vllm_compat.dummy_init through the parameters' own weight "
+            "loaders, only for models carrying the marker (VLLM_DSV4_DUMMY_INIT=0 turns it off)",
             upstream="vllm/model_executor/model_loader/dummy_loader.py: "
             f"{loader.LOADER_SYMBOL}",
             remove_when="never needed by serving; remove with the tiny test model",

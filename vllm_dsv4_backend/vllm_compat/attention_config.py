@@ -10,7 +10,7 @@ vLLM validates: ``true`` -> ``indexer_kv_dtype="mxfp4"``, ``false`` -> ``"fp8"``
 and refuse a contradiction with an explicit ``indexer_kv_dtype``.
 
 The three hooks (``attention_config_json``, ``attention_config_init``,
-``llm_attention_config``) are entries of :mod:`vllm_dsv4_backend.vllm_compat.patches`.
+``llm_attention_config``) are entries of :mod:`.patches`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import sys
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
+
+from vllm_dsv4_backend.vllm_compat import hooks
 
 LEGACY_KEY = "use_fp4_indexer_cache"
 
@@ -88,8 +90,6 @@ def install_json_hook(arg_utils: ModuleType, on_applied: Callable[[str], None]) 
     """CLI / ``--config`` YAML: map the legacy key in ``--attention-config`` JSON,
     which goes through ``arg_utils._expand_json_human_readable_numbers`` right
     before pydantic validates it. False if already in place (``hooks.is_port``)."""
-    from vllm_dsv4_backend.vllm_compat import hooks
-
     symbol = "_expand_json_human_readable_numbers"
     if not hasattr(arg_utils, symbol):
         raise hooks.fail(
@@ -113,8 +113,6 @@ def install_init_hook(arg_utils: ModuleType, on_applied: Callable[[str], None]) 
     """Python: ``AttentionConfig(**dict)`` (``LLM(attention_config={...})`` ends
     here too). False if already in place."""
     from vllm.config import attention as attention_module
-
-    from vllm_dsv4_backend.vllm_compat import hooks
 
     symbol = "AttentionConfig.__init__"
     _, _, init = hooks.resolve(attention_module, symbol)
@@ -145,8 +143,6 @@ def install_llm_hook(arg_utils: ModuleType, on_applied: Callable[[str], None]) -
     plugins themselves (``vllm.plugins.load_general_plugins()``) after
     importing ``LLM``: applied only if ``vllm.entrypoints.llm`` is already
     imported when ``arg_utils`` is. False if not applied."""
-    from vllm_dsv4_backend.vllm_compat import hooks
-
     module = sys.modules.get("vllm.entrypoints.llm")
     if module is None:
         return False

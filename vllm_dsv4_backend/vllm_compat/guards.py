@@ -7,7 +7,7 @@ logs "Cannot use ... backend on CPU" and serves with CPU_ATTN), and a CUDA
 build would try to build a generic layer on a DeepSeek-V4-only backend. A
 user who asked for this backend on another architecture gets a clear
 startup error instead, before anything is served. The hook is the
-``architecture_check`` entry of :mod:`vllm_dsv4_backend.vllm_compat.patches`.
+``architecture_check`` entry of :mod:`.patches`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import functools
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
+
+from vllm_dsv4_backend.vllm_compat import hooks
 
 BACKEND_NAME = "FLASHMLA_SPARSE_DSV4"
 SUPPORTED_ARCHITECTURES = ("DeepseekV4ForCausalLM", "DeepseekV4ForConditionalGeneration")
@@ -224,8 +226,6 @@ def check_settings(engine_args: Any, vllm_config: Any) -> None:
 def install_hook(arg_utils: ModuleType, on_applied: Callable[[str], None]) -> bool:
     """Check the architecture when vLLM builds its engine config
     (``EngineArgs.create_engine_config``); False if already in place."""
-    from vllm_dsv4_backend.vllm_compat import hooks
-
     symbol = "EngineArgs.create_engine_config"
     _, _, create = hooks.resolve(arg_utils, symbol)
     if hooks.is_port(create):
