@@ -303,7 +303,7 @@ def test_workspace_imports_nothing_from_the_layer_floor():
     assert found == {}
     # The resolver itself sees relative and absolute imports.
     assert "vllm_dsv4_backend.workspace.sizing" in _imported_modules(WORKSPACE / "manager.py")
-    assert "vllm_dsv4_backend.envs" in _imported_modules(WORKSPACE / "manager.py")
+    assert "vllm_dsv4_backend.workspace.live" in _imported_modules(WORKSPACE / "manager.py")
     # And at run time: importing every workspace module loads neither.
     code = ("import importlib, pkgutil, sys\n"
             "import vllm_dsv4_backend.workspace as w\n"

@@ -78,8 +78,6 @@ from typing import Any
 
 import torch
 
-from vllm_dsv4_backend import envs
-
 from .lease import (  # noqa: F401  (re-exported: the manager's public names)
     Lease,
     WorkspaceBudgetError,
@@ -106,29 +104,16 @@ DEFAULT_POLICY = "shared"
 GIB = 1 << 30
 
 
-def resolve_policy(policy: str | None = None) -> str:
-    """``policy`` if given, else the ``VLLM_DSV4_WORKSPACE`` setting (default ``shared``).
+def resolve_policy(policy: str) -> str:
+    """``policy``, checked against :data:`POLICIES` (the setting itself is
+    read by :mod:`vllm_dsv4_backend.envs` and passed in by the layer core).
 
     Raises:
-        ValueError: an unknown ``policy``, or a bad setting (the error of
-            :mod:`vllm_dsv4_backend.envs`, the same as every other reader's).
+        ValueError: an unknown ``policy``.
     """
-    if policy is None:
-        policy = envs.VLLM_DSV4_WORKSPACE
     if policy not in POLICIES:
         raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
     return policy
-
-
-def resolve_debug(debug: bool | None = None) -> bool:
-    """``debug`` if given, else the ``VLLM_DSV4_WORKSPACE_DEBUG`` setting (default off).
-
-    Raises:
-        ValueError: a bad setting (e.g. ``maybe``; the error of :mod:`vllm_dsv4_backend.envs`).
-    """
-    if debug is not None:
-        return bool(debug)
-    return envs.VLLM_DSV4_WORKSPACE_DEBUG
 
 
 class WorkspaceManager:
@@ -140,13 +125,13 @@ class WorkspaceManager:
             ``config.kinds``); default ``("layers.{i}", k)`` for
             ``config.layer_kinds``. More can be added with ``add_layer``
             before ``reserve()``.
-        policy: ``"shared"``, ``"private"`` or ``"off"``; ``None`` means the
-            ``VLLM_DSV4_WORKSPACE`` setting (read through ``envs``; default ``shared``).
+        policy: ``"shared"``, ``"private"`` or ``"off"`` (serving passes the
+            ``VLLM_DSV4_WORKSPACE`` setting; see ``layer.core.make_workspace``).
         device: where the storage lives.
         streams: the ``StreamBackend``; default CUDA streams on CUDA devices,
             no streams on CPU; tests pass a ``SimStreamBackend``.
-        debug: poison released regions and check overlaps; ``None`` means the
-            ``VLLM_DSV4_WORKSPACE_DEBUG`` setting (read through ``envs``).
+        debug: poison released regions and check overlaps (serving passes the
+            ``VLLM_DSV4_WORKSPACE_DEBUG`` setting).
         shared_slots: slots per family and micro-batch under ``shared``
             (1 = least memory; 2 = ping-pong, so layer ``n+1``'s producer
             need not wait for layer ``n``'s consumer, at twice the memory).
@@ -160,10 +145,10 @@ class WorkspaceManager:
         config: WorkspaceConfig,
         layers: Sequence[tuple[str, int]] | None = None,
         *,
-        policy: str | None = None,
+        policy: str = DEFAULT_POLICY,
         device: torch.device | str = "cpu",
         streams: StreamBackend | None = None,
-        debug: bool | None = None,
+        debug: bool = False,
         shared_slots: int = 1,
         _unsafe_disable_fences_for_tests: bool = False,
     ) -> None:
@@ -171,7 +156,7 @@ class WorkspaceManager:
             raise ValueError(f"config: expected a WorkspaceConfig, got {type(config).__name__}")
         self.config = config
         self.policy = resolve_policy(policy)
-        self.debug = resolve_debug(debug)
+        self.debug = bool(debug)
         self.device = torch.device(device)
         self._backend: StreamBackend = streams if streams is not None \
             else default_backend(self.device)
