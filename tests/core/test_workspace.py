@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.support.families import FAMILIES
 from vllm_dsv4_backend.layer.core import make_workspace
 from vllm_dsv4_backend.layer.plan import (
     DSV4_FLASH_HF_CONFIG,
@@ -49,19 +50,13 @@ from vllm_dsv4_backend.workspace import (
 from vllm_dsv4_backend.workspace.sizing import MIB, Layout, Slot
 
 FLASH_RATIOS = (0, 0) + (4, 128) * 20 + (4,)
-FAMILIES = ("q", "indexer_q", "topk", "compressor")
 
 # EVERY_FAMILY_PLAN with the attention output beside the padded q (include_attn_out).
 WITH_ATTN_OUT_PLAN = {kind: {**fams, "q": ("q", "out")} for kind, fams in WIDE_PLAN.items()}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Thousands of tiny ops: intra-op threads only add contention on a busy box.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Thousands of tiny ops: intra-op threads only add contention on a busy box.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def flash(
@@ -502,7 +497,7 @@ def test_env_policy_and_debug(monkeypatch):
 def test_debug_poisons_released_region():
     mgr = WorkspaceManager(small(indexer="fp8"), policy="shared", debug=True)
     mgr.reserve()
-    for fam in ("q", "indexer_q", "topk", "compressor"):
+    for fam in FAMILIES:
         ls = mgr.lease("layers.1", fam, 6)
         for v in ls.views.values():
             v.view(torch.uint8).fill_(0)
