@@ -22,9 +22,10 @@ directory:
 * each **process that reserves a workspace** (:class:`Publisher`, from
   :func:`vllm_dsv4_backend.layer.core.reserve_and_report`) writes
   ``<dir>/ws-<pid>-<n>.json`` once (labels, reserved bytes per family, layers
-  per kind, policy) and updates ``<dir>/ws-<pid>-<n>.bin`` (seven
-  little-endian int64: model steps, leases, allocations in leased families,
-  fence waits, fallbacks, peak leased bytes, reserved bytes) in place after
+  per kind, policy) and updates ``<dir>/ws-<pid>-<n>.bin`` (little-endian
+  int64 :data:`FIELDS`: model steps, the workspace's live counters (leases,
+  allocations in leased families, fence waits, fallbacks), peak leased bytes,
+  reserved bytes) in place after
   each model step's last attention layer (an 8-byte-aligned ``pack_into``
   into a shared mapping: no system call per step);
 * at each scrape the collector reads every file pair of a live process and
@@ -74,6 +75,7 @@ from typing import Any
 
 from vllm_dsv4_backend import envs
 from vllm_dsv4_backend._logging import init_logger
+from vllm_dsv4_backend.workspace.live import COUNTERS, LIVE_COUNTERS
 
 __all__ = ["PREFIX", "Publisher", "WorkspaceCollector", "labels_from_vllm_config",
            "publisher_for", "setup_frontend"]
@@ -83,8 +85,13 @@ logger = init_logger(__name__)
 PREFIX = "vllm_dsv4_workspace"
 ENV_DIR = "VLLM_DSV4_METRICS_DIR"
 # The .bin record: the figures that move, in this order.
-FIELDS: tuple[str, ...] = ("model_steps", "leases", "allocations", "fence_waits", "fallbacks",
-                           "peak_leased_bytes", "reserved_bytes")
+FIELDS: tuple[str, ...] = ("model_steps", *COUNTERS, "peak_leased_bytes", "reserved_bytes")
+# The counter series: (figure, series name after PREFIX, help), the workspace's
+# live counters (workspace.live.LIVE_COUNTERS) after the model steps.
+COUNTER_SERIES: tuple[tuple[str, str, str], ...] = (
+    ("model_steps", "model_steps", "Model steps served since the first"),
+    *((c.name, c.series, c.doc) for c in LIVE_COUNTERS),
+)
 _FMT = "<" + "q" * len(FIELDS)
 _SIZE = struct.calcsize(_FMT)
 
@@ -192,24 +199,8 @@ class WorkspaceCollector:
                 f"{PREFIX}_info", "Workspace policy and platform (value 1)",
                 labels=[*base, "policy", "platform"]),
         }
-        c = {
-            "model_steps": CounterMetricFamily(
-                f"{PREFIX}_model_steps", "Model steps served since the first", labels=base),
-            "leases": CounterMetricFamily(
-                f"{PREFIX}_leases", "Workspace leases taken by the attention layers",
-                labels=base),
-            "allocations": CounterMetricFamily(
-                f"{PREFIX}_leased_family_allocations",
-                "Tensors allocated for leased buffer families (0 unless policy off)",
-                labels=base),
-            "fence_waits": CounterMetricFamily(
-                f"{PREFIX}_fence_waits", "Cross-stream fence waits before a lease",
-                labels=base),
-            "fallbacks": CounterMetricFamily(
-                f"{PREFIX}_fallbacks",
-                "Buffers a layer allocated itself where the workspace could not serve",
-                labels=base),
-        }
+        c = {name: CounterMetricFamily(f"{PREFIX}_{series}", doc, labels=base)
+             for name, series, doc in COUNTER_SERIES}
         ranks: dict[tuple[str, ...], dict[str, Any]] = {}
         for static, figures in read_records(self.path):
             key = tuple(str(static.get(k, "")) for k in base)
@@ -292,18 +283,15 @@ class Publisher:
 
     def publish(self) -> None:
         live = self.workspace.live_stats()
-        struct.pack_into(_FMT, self._map, 0, live["steps"], live["leases_total"],
-                         live["allocations_total"], live["fence_waits_total"],
-                         live["fallbacks_total"], live["peak_leased_bytes"],
-                         live["reserved_bytes_total"])
+        struct.pack_into(_FMT, self._map, 0, live["steps"],
+                         *(live[f"{name}_total"] for name in COUNTERS),
+                         live["peak_leased_bytes"], live["reserved_bytes_total"])
         if self._mp is not None:
             self._mp.update(live)
 
 
 # live_stats() key of each counter of the multiprocess series.
-_LIVE_KEYS = {"model_steps": "steps", "leases": "leases_total",
-              "allocations": "allocations_total", "fence_waits": "fence_waits_total",
-              "fallbacks": "fallbacks_total"}
+_LIVE_KEYS = {"model_steps": "steps", **{name: f"{name}_total" for name in COUNTERS}}
 
 
 class _MultiprocessSeries:
@@ -322,16 +310,9 @@ class _MultiprocessSeries:
         values.ValueClass = values.MultiProcessValue()
         try:
             self.counters = {
-                name: Counter(f"{PREFIX}_{metric}", doc, labelnames=base,
+                name: Counter(f"{PREFIX}_{series}", doc, labelnames=base,
                               registry=None).labels(*labels)
-                for name, metric, doc in (
-                    ("model_steps", "model_steps", "Model steps served since the first"),
-                    ("leases", "leases", "Workspace leases taken by the attention layers"),
-                    ("allocations", "leased_family_allocations",
-                     "Tensors allocated for leased buffer families (0 unless policy off)"),
-                    ("fence_waits", "fence_waits", "Cross-stream fence waits before a lease"),
-                    ("fallbacks", "fallbacks",
-                     "Buffers a layer allocated itself where the workspace could not serve"))}
+                for name, series, doc in COUNTER_SERIES}
             reserved = Gauge(f"{PREFIX}_reserved_bytes", "Bytes the DeepSeek-V4 workspace "
                              "reserved at load, per buffer family", labelnames=(*base, "family"),
                              registry=None, multiprocess_mode="livesum")

@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from tests.support import bi_world as W
+from tests.support.threads import one_thread
 from vllm_dsv4_backend import ops
 from vllm_dsv4_backend.formats import fp8_ds_mla
 from vllm_dsv4_backend.formats import indexer_cache as ic
@@ -387,33 +388,8 @@ def test_indexer_topk_batch_invariant():
 # ------------------------------------------------------------------------------------------
 # the eager step: decode-only, prefill-only, mixed, chunked prefill
 # ------------------------------------------------------------------------------------------
-# (prefix, work): 0 = a long prefill crossing 2048 tokens (visible 511 -> 515, the short-
-# context rule then the indexer), 1 = a long decode, 2 = a short decode, 3 = a fresh
-# prompt (visible 0 for its first 3 tokens), 4 = a short prefill.
-REQUESTS = [(2044, 16), (2200, 2), (300, 2), (0, 12), (100, 12)]
-
-
-def _tok(r: int, lo: int, hi: int) -> list[tuple[int, int]]:
-    return [(r, p) for p in range(lo, hi)]
-
-
-SCHEDULES = {
-    # decodes batched together; each prefill one chunk, alone
-    "decode-only": [[(1, 2200), (2, 300)], [(2, 301), (1, 2201)], _tok(0, 2044, 2060),
-                    _tok(3, 0, 12), _tok(4, 100, 112)],
-    # the three prefills in one batch; decodes alone
-    "prefill-only": [_tok(0, 2044, 2060) + _tok(3, 0, 12) + _tok(4, 100, 112),
-                     [(1, 2200)], [(1, 2201)], [(2, 300)], [(2, 301)]],
-    # decodes and prefill chunks together; every prefill split across two calls
-    "mixed-chunked": [[(1, 2200), (2, 300)] + _tok(0, 2044, 2050) + _tok(3, 0, 5)
-                      + _tok(4, 100, 107),
-                      _tok(4, 107, 112) + [(2, 301)] + _tok(0, 2050, 2060) + _tok(3, 5, 12)
-                      + [(1, 2201)]],
-    # the long prefill cut at the short/long boundary (first call all <= 512 visible)
-    "chunked-at-2051": [_tok(0, 2044, 2051), _tok(0, 2051, 2060) + _tok(3, 0, 12),
-                        [(1, 2200), (2, 300)] + _tok(4, 100, 112),
-                        [(2, 301), (1, 2201)]],
-}
+# The work and its schedules: tests.support.bi_world (tests/vllm runs the same).
+REQUESTS, SCHEDULES = W.REQUESTS, W.SCHEDULES
 
 
 @pytest.fixture(scope="module", params=["fp8", "mxfp4"])
@@ -422,15 +398,11 @@ def step_runs(request):
     dtype = request.param
     # One intra-op thread: with OpenMP on a loaded 2-core box every tiny op of a solo step
     # pays a barrier (20x slower); the op-level tests above run at the default count.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         world = W.make_world(REQUESTS, dtype, seed=5)
         opsx = W.StepOps()
         solo = W.run_schedule(world, W.solo_schedule(world), opsx)
         runs = {name: W.run_schedule(world, s, opsx) for name, s in SCHEDULES.items()}
-    finally:
-        torch.set_num_threads(threads)
     return dtype, solo, runs
 
 

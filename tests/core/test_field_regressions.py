@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.compressor_store import indexer_store_case
+from tests.support.families import FAMILIES
 from vllm_dsv4_backend import eager, ops
 from vllm_dsv4_backend.formats import fp8_ds_mla
 from vllm_dsv4_backend.formats import indexer_cache as ic
@@ -71,6 +73,15 @@ def _cos_sin(max_pos: int = 4096) -> torch.Tensor:
 
 def _indexer_cache(dtype: str, nb: int, bs: int = 64) -> torch.Tensor:
     return torch.full((nb, bs, ic.entry_bytes(dtype)), POISON, dtype=torch.uint8)
+
+
+def _poisoned_caches(dtype: str) -> tuple[torch.Tensor, ...]:
+    """Two blocks of each cache one C4 layer writes, every byte poisoned: the SWA and
+    compressed fp8_ds_mla caches, the indexer K cache, the indexer and main compressor
+    states."""
+    return (fp8_ds_mla.allocate_cache(2, 64, fill=POISON),
+            fp8_ds_mla.allocate_cache(2, 64, fill=POISON), _indexer_cache(dtype, 2),
+            torch.full((2, 16, 512), math.nan), torch.full((2, 16, 2048), math.nan))
 
 
 def _iq(dtype: str, t: int, gen: torch.Generator, pos: torch.Tensor | None = None):
@@ -197,12 +208,9 @@ def test_empty_batch_through_every_op(dtype):
     """T = 0 (an empty micro-batch, a capture size with no tokens): every op of the eager
     region returns correctly shaped outputs, raises nothing and writes no cache byte."""
     cs = _cos_sin()
-    swa = fp8_ds_mla.allocate_cache(2, 64, fill=POISON)
-    comp = fp8_ds_mla.allocate_cache(2, 64, fill=POISON)
-    ind = _indexer_cache(dtype, 2)
-    ist = torch.full((2, 16, 512), math.nan)
-    mst = torch.full((2, 16, 2048), math.nan)
-    before = [_storage(x) for x in (swa, comp, ind, ist, mst)]
+    caches = _poisoned_caches(dtype)
+    swa, comp, ind, ist, mst = caches
+    before = [_storage(x) for x in caches]
     e64 = torch.zeros(0, dtype=torch.int64)
     e32 = torch.zeros(0, dtype=torch.int32)
     q = rope.qnorm_rope_kv_insert(torch.zeros(0, 8, 512, dtype=torch.bfloat16),
@@ -249,7 +257,7 @@ def test_empty_batch_through_every_op(dtype):
     fp8_ds_mla.quantize_and_insert(torch.zeros(0, 512, dtype=torch.bfloat16), swa, e64)
     ic.quantize_and_insert(torch.zeros(0, 128), ind, e64, dtype)
     assert ic.dequantize_and_gather(ind, e64, dtype).shape == (0, 128)
-    after = [_storage(x) for x in (swa, comp, ind, ist, mst)]
+    after = [_storage(x) for x in caches]
     for b, a in zip(before, after):
         assert torch.equal(b, a), "an empty batch wrote cache bytes"
 
@@ -262,12 +270,9 @@ def test_dummy_run_padded_tokens_write_nothing(dtype):
     gen = torch.Generator().manual_seed(4)
     t = 8
     cs = _cos_sin()
-    swa = fp8_ds_mla.allocate_cache(2, 64, fill=POISON)
-    comp = fp8_ds_mla.allocate_cache(2, 64, fill=POISON)
-    ind = _indexer_cache(dtype, 2)
-    ist = torch.full((2, 16, 512), math.nan)
-    mst = torch.full((2, 16, 2048), math.nan)
-    before = [_storage(x) for x in (swa, comp, ind, ist, mst)]
+    caches = _poisoned_caches(dtype)
+    swa, comp, ind, ist, mst = caches
+    before = [_storage(x) for x in caches]
     # position 0 as in vLLM's dummy batch, and window ends (3, 7, ...) that would emit a
     # compressed entry if their slot were not -1
     pos = torch.tensor([0, 3, 0, 7, 0, 11, 0, 15], dtype=torch.int64)
@@ -286,7 +291,7 @@ def test_dummy_run_padded_tokens_write_nothing(dtype):
                                               ind.view(2, -1), 64, 4, indexer_kv_dtype=dtype)
     comp_ops.compress_norm_rope_store_main(mst, gather, pos, pad, torch.ones(512), 1e-6, cs,
                                            fp8_ds_mla.cache_layout(comp).blocks_2d(comp), 64, 4)
-    after = [_storage(x) for x in (swa, comp, ind, ist, mst)]
+    after = [_storage(x) for x in caches]
     for name, b, a in zip(("swa", "comp", "ind", "ind_state", "main_state"), before, after):
         assert torch.equal(b, a), f"a padded token (slot -1) wrote {name} bytes"
 
@@ -559,16 +564,8 @@ def _compressor_entries(dtype: str, n_tokens: int, seed: int):
     bf16 entries it quantized (ops.compressor.compress_norm_rope on the same state)."""
     gen = torch.Generator().manual_seed(seed)
     cs = _cos_sin()
-    state = torch.full((4, 16, 512), math.nan)
-    pos = torch.arange(n_tokens, dtype=torch.int64)
-    st = pos  # state slot = position (blocks 0..3 of 16)
-    comp_ops.save_partial_states(torch.randn(n_tokens, 256, generator=gen),
-                                 2 * torch.randn(n_tokens, 256, generator=gen),
-                                 0.5 * torch.randn(4, 256, generator=gen), pos, state, st)
-    win = pos[:, None] - 7 + torch.arange(8)
-    gather = torch.where(win >= 0, win, torch.full_like(win, -1))
-    rms = 1 + 0.1 * torch.randn(128, generator=gen)
-    kv_slots = torch.randperm(64 * 3, generator=gen)[:n_tokens].long()
+    state, pos, gather, rms, kv_slots = indexer_store_case(n_tokens, gen,
+                                                           comp_ops.save_partial_states)
     values, emit = comp_ops.compress_norm_rope(state, gather, pos, rms, 1e-6, cs, 4, 128)
     return state, gather, pos, kv_slots, rms, cs, values[emit].to(torch.bfloat16), emit
 
@@ -808,7 +805,7 @@ def test_exception_in_eager_step_releases_every_lease(policy, debug):
     # The next step of the same layer, and another layer sharing the slot, lease again.
     for name in (layer, other):
         with eager.Region(mgr, name, 16) as region:
-            for fam in ("q", "indexer_q", "topk", "compressor"):
+            for fam in FAMILIES:
                 region.lease(fam)
     assert mgr.stats()["leased_bytes_now"] == 0
 

@@ -26,14 +26,7 @@ from vllm_dsv4_backend.formats import fp8_ds_mla as F
 BLOCK_CASES = [(2, True), (61, False), (61, True), (64, True), (64, False)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small ops on a shared 2-core box: one intra-op thread avoids OpenMP barrier stalls
-    when other processes hold the cores (results do not depend on the thread count)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def varied_kv(n: int, seed: int) -> torch.Tensor:

@@ -38,13 +38,8 @@ OPS = {op.name: op for op in cpu_ops.OPS}
 FILES = list(gio.files())
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread (the recordings' setting; the box is shared)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# One intra-op thread: the recordings' setting (the box is shared).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ----------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.support.families import FAMILIES
 from vllm_dsv4_backend.formats import constants
 from vllm_dsv4_backend.layer import core, plan
 from vllm_dsv4_backend.layer import sizing as layer_sizing
@@ -32,7 +33,6 @@ from vllm_dsv4_backend.workspace import sizing
 
 PACKAGE = Path(__file__).resolve().parents[2] / "vllm_dsv4_backend"
 WORKSPACE = PACKAGE / "workspace"
-FAMILIES = ("q", "indexer_q", "topk", "compressor")
 
 
 def _vllm_config(dtype: str = "fp8", ubatching: bool = False, hf=None) -> SimpleNamespace:
@@ -303,7 +303,7 @@ def test_workspace_imports_nothing_from_the_layer_floor():
     assert found == {}
     # The resolver itself sees relative and absolute imports.
     assert "vllm_dsv4_backend.workspace.sizing" in _imported_modules(WORKSPACE / "manager.py")
-    assert "vllm_dsv4_backend.envs" in _imported_modules(WORKSPACE / "manager.py")
+    assert "vllm_dsv4_backend.workspace.live" in _imported_modules(WORKSPACE / "manager.py")
     # And at run time: importing every workspace module loads neither.
     code = ("import importlib, pkgutil, sys\n"
             "import vllm_dsv4_backend.workspace as w\n"

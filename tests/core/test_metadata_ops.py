@@ -437,22 +437,17 @@ def test_bad_arguments_raise_value_error_naming_the_argument():
             torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), qsl,
             torch.tensor([3], dtype=torch.int32), torch.zeros(1, 2, dtype=torch.int32), 64, 0,
         )
-    with pytest.raises(ValueError, match="swa_indices"):
-        md.swa_indices_and_lens(
-            torch.zeros(1, 1, 4, dtype=torch.int32), torch.zeros(4, dtype=torch.int32), 4, 4,
-            qsl, qsl, qsl, torch.tensor([3], dtype=torch.int32),
-            torch.zeros(3, dtype=torch.int32), torch.ones(3, dtype=torch.bool),
-            torch.zeros(1, 2, dtype=torch.int32), 4, torch.zeros(1, dtype=torch.int32),
-            num_tokens=3, token_offset=0,
-        )
-    with pytest.raises(ValueError, match="is_valid_token"):
-        md.swa_indices_and_lens(
-            torch.zeros(3, 1, 4, dtype=torch.int32), torch.zeros(4, dtype=torch.int32), 4, 4,
-            qsl, qsl, qsl, torch.tensor([3], dtype=torch.int32),
-            torch.zeros(3, dtype=torch.int32), torch.ones(3, dtype=torch.int32),
-            torch.zeros(1, 2, dtype=torch.int32), 4, torch.zeros(1, dtype=torch.int32),
-            num_tokens=3, token_offset=0,
-        )
+    # swa_indices_and_lens with a too-short swa_indices, then an int32 is_valid_token.
+    for rows, valid_dtype, match in ((1, torch.bool, "swa_indices"),
+                                     (3, torch.int32, "is_valid_token")):
+        with pytest.raises(ValueError, match=match):
+            md.swa_indices_and_lens(
+                torch.zeros(rows, 1, 4, dtype=torch.int32), torch.zeros(4, dtype=torch.int32),
+                4, 4, qsl, qsl, qsl, torch.tensor([3], dtype=torch.int32),
+                torch.zeros(3, dtype=torch.int32), torch.ones(3, dtype=valid_dtype),
+                torch.zeros(1, 2, dtype=torch.int32), 4, torch.zeros(1, dtype=torch.int32),
+                num_tokens=3, token_offset=0,
+            )
     with pytest.raises(ValueError, match="block_table"):
         md.prepare_uniform_decode(
             torch.ones(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),

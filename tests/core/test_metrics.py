@@ -160,3 +160,23 @@ def test_several_api_servers_get_the_series_through_prometheus_multiprocess(monk
     for fam, n in ws.stats()["reserved_bytes_per_family"].items():
         assert got[("vllm_dsv4_workspace_reserved_bytes", lab(rank="1", family=fam))] == n
     assert got[("vllm_dsv4_workspace_layers", lab(rank="1", kind="C4"))] == 2
+
+
+def test_counters_are_named_not_positional() -> None:
+    """The live counters are keyed by name (workspace.live.LIVE_COUNTERS): totals in
+    any order give the same figures, and the /metrics series keep their names."""
+    from vllm_dsv4_backend.workspace.live import LiveCounters
+
+    live = LiveCounters()
+    live.tick({"fallbacks": 0, "fence_waits": 0, "allocations": 0, "leases": 0})
+    live.tick({"fence_waits": 1, "leases": 3, "fallbacks": 2, "allocations": 0})
+    snap = live.snapshot({"leases": 5, "allocations": 0, "fence_waits": 1, "fallbacks": 2})
+    assert (snap["leases_max_per_step"], snap["fence_waits_max_per_step"],
+            snap["fallbacks_max_per_step"], snap["leases_total"]) == (3, 1, 2, 5)
+    # (A new counter adds a series and a field after these.)
+    assert [f"{metrics.PREFIX}_{series}" for _, series, _ in metrics.COUNTER_SERIES][:5] == [
+        "vllm_dsv4_workspace_model_steps", "vllm_dsv4_workspace_leases",
+        "vllm_dsv4_workspace_leased_family_allocations", "vllm_dsv4_workspace_fence_waits",
+        "vllm_dsv4_workspace_fallbacks"]
+    assert metrics.FIELDS[:5] == ("model_steps", "leases", "allocations", "fence_waits",
+                                  "fallbacks")

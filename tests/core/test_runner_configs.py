@@ -110,18 +110,13 @@ def test_yaml_to_flags_rules_and_errors() -> None:
 
 def test_serve_config_errors(tmp_path: Path) -> None:
     bad = tmp_path / "x.yaml"
-    bad.write_text("model: m\nport: 8000\n")
-    with pytest.raises(R.ConfigError, match="'port' is set by vllm-dsv4-run"):
-        R.load_serve_config(bad)
-    bad.write_text("tensor-parallel-size: 4\n")
-    with pytest.raises(R.ConfigError, match="'model'"):
-        R.load_serve_config(bad)
-    bad.write_text("- a\n- b\n")
-    with pytest.raises(R.ConfigError, match="mapping"):
-        R.load_serve_config(bad)
-    bad.write_text("model: [unclosed\n")
-    with pytest.raises(R.ConfigError, match="not valid YAML"):
-        R.load_serve_config(bad)
+    for text, match in (("model: m\nport: 8000\n", "'port' is set by vllm-dsv4-run"),
+                        ("tensor-parallel-size: 4\n", "'model'"),
+                        ("- a\n- b\n", "mapping"),
+                        ("model: [unclosed\n", "not valid YAML")):
+        bad.write_text(text)
+        with pytest.raises(R.ConfigError, match=match):
+            R.load_serve_config(bad)
     with pytest.raises(R.ConfigError, match="does not exist"):
         R.load_serve_config(tmp_path / "missing.yaml")
 

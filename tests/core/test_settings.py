@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """``envs.py`` is the one reader of ``VLLM_DSV4_*``: a bad value of any setting
-raises the same error from envs and from every torch-only reader (workspace
-manager, step counters, test hooks), and no other module reads them."""
+raises the same error from envs and from every torch-only reader (the layer
+core's workspace maker, step counters, test hooks), and no other module reads them."""
 
 from __future__ import annotations
 
@@ -15,14 +15,9 @@ import pytest
 import torch
 
 from vllm_dsv4_backend import envs, testing
+from vllm_dsv4_backend.layer.core import make_workspace
 from vllm_dsv4_backend.layer.plan import Dims, build_workspace_config
-from vllm_dsv4_backend.workspace import (
-    POLICIES,
-    WorkspaceConfig,
-    WorkspaceManager,
-    resolve_debug,
-    resolve_policy,
-)
+from vllm_dsv4_backend.workspace import POLICIES, WorkspaceConfig, WorkspaceManager
 
 PACKAGE = Path(__file__).resolve().parents[2] / "vllm_dsv4_backend"
 
@@ -56,16 +51,11 @@ def _sink_layer() -> Any:
 
 # The torch-only readers of each setting (the vLLM glue's readers, plugin.py,
 # version.py, loader.py and layer/cpu.py (VLLM_DSV4_KERNEL), call the same envs
-# attributes; tests/vllm covers them).
+# attributes; tests/vllm covers them). The workspace manager takes its policy
+# and debug switch as arguments: the layer core's make_workspace reads them.
 READERS: dict[str, list[Any]] = {
-    "VLLM_DSV4_WORKSPACE": [
-        lambda: WorkspaceManager(_config()),
-        lambda: resolve_policy(),
-    ],
-    "VLLM_DSV4_WORKSPACE_DEBUG": [
-        lambda: WorkspaceManager(_config(), policy="shared"),
-        lambda: resolve_debug(),
-    ],
+    "VLLM_DSV4_WORKSPACE": [lambda: make_workspace(_config(), device="cpu")],
+    "VLLM_DSV4_WORKSPACE_DEBUG": [lambda: make_workspace(_config(), device="cpu")],
     "VLLM_DSV4_WORKSPACE_LOG_EVERY": [
         lambda: __import__("vllm_dsv4_backend.layer.core", fromlist=["core"]).RegionHolder(
             WorkspaceManager(_config(), policy="shared", debug=False), "layers.0"),
@@ -102,14 +92,16 @@ def test_workspace_debug_maybe_is_not_silently_off(monkeypatch: pytest.MonkeyPat
     # The defect of issue 10: the manager once read "maybe" as off.
     monkeypatch.setenv("VLLM_DSV4_WORKSPACE_DEBUG", "maybe")
     with pytest.raises(ValueError, match="VLLM_DSV4_WORKSPACE_DEBUG: expected 0 or 1"):
-        WorkspaceManager(_config(), policy="shared")
-    # An explicit argument is the caller's choice: the setting is not read.
+        make_workspace(_config(), device="cpu")
+    # The manager takes its arguments only: the setting is not read.
     assert WorkspaceManager(_config(), policy="shared", debug=False).debug is False
+    assert WorkspaceManager(_config()).debug is False
 
 
 def test_explicit_arguments_override_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_DSV4_WORKSPACE", "off")
     assert WorkspaceManager(_config(), policy="private", debug=False).policy == "private"
+    assert WorkspaceManager(_config()).policy == "shared"
 
 
 def test_choices_agree_with_envs(monkeypatch: pytest.MonkeyPatch) -> None:

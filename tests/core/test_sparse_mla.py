@@ -8,7 +8,9 @@ independent implementation where it can run."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -30,14 +32,7 @@ from vllm_dsv4_backend.ops import torch_sparse_mla, vllm_cpu
 SCALE = 512**-0.55  # FlashMLA's decode test scale (d_qk ** -0.55)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small ops on a shared 2-core box: one intra-op thread avoids OpenMP barrier stalls
-    when other processes hold the cores (results do not depend on the thread count)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class CountAllocs(TorchDispatchMode):
@@ -432,13 +427,16 @@ DECODE_BAD = [
 ]
 
 
+def _refused(op: Callable[..., Any], kw: dict[str, Any], match: str) -> None:
+    """``op(**kw)`` raises the ValueError ``match`` names."""
+    with pytest.raises(ValueError, match=match):
+        op(**kw)
+
+
 @pytest.mark.parametrize("name,value,match", DECODE_BAD, ids=[f"{i}-{d[0]}" for i, d in
                                                              enumerate(DECODE_BAD)])
 def test_decode_bad_inputs(name: str, value, match: str) -> None:
-    kw = _decode_args()
-    kw[name] = value
-    with pytest.raises(ValueError, match=match):
-        ops.sparse_mla_decode(**kw)
+    _refused(ops.sparse_mla_decode, {**_decode_args(), name: value}, match)
 
 
 def test_decode_bad_extra_indices() -> None:
@@ -485,10 +483,7 @@ PREFILL_BAD = [
 @pytest.mark.parametrize("name,value,match", PREFILL_BAD, ids=[f"{i}-{d[0]}" for i, d in
                                                                enumerate(PREFILL_BAD)])
 def test_prefill_bad_inputs(name: str, value, match: str) -> None:
-    kw = _prefill_args()
-    kw[name] = value
-    with pytest.raises(ValueError, match=match):
-        ops.sparse_mla_prefill(**kw)
+    _refused(ops.sparse_mla_prefill, {**_prefill_args(), name: value}, match)
 
 
 # --------------------------------------------------------------------------------------------

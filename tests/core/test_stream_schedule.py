@@ -24,6 +24,7 @@ import random
 import pytest
 import torch
 
+from tests.support.families import FAMILIES
 from tests.support.stream_schedule import (
     T_MAX,
     Pool49236Layout,
@@ -179,7 +180,7 @@ def test_families_and_ubatches_never_share_bytes():
         assert a1 <= b0
     assert ranges[-1][1] <= mgr.storage.numel()
     assert {(f, u) for *_, f, u in ranges} == {
-        (f, u) for f in ("q", "indexer_q", "topk", "compressor") for u in (0, 1)
+        (f, u) for f in FAMILIES for u in (0, 1)
     }
 
 

@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.support.families import FAMILIES
+from vllm_dsv4_backend.layer.core import make_workspace
 from vllm_dsv4_backend.layer.plan import (
     DSV4_FLASH_HF_CONFIG,
     LEASE_PLAN,
@@ -42,26 +44,19 @@ from vllm_dsv4_backend.workspace import (
     WorkspaceManager,
     count_allocations,
     plan_layout,
-    resolve_debug,
     resolve_policy,
     workspace_bytes,
 )
 from vllm_dsv4_backend.workspace.sizing import MIB, Layout, Slot
 
 FLASH_RATIOS = (0, 0) + (4, 128) * 20 + (4,)
-FAMILIES = ("q", "indexer_q", "topk", "compressor")
 
 # EVERY_FAMILY_PLAN with the attention output beside the padded q (include_attn_out).
 WITH_ATTN_OUT_PLAN = {kind: {**fams, "q": ("q", "out")} for kind, fams in WIDE_PLAN.items()}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Thousands of tiny ops: intra-op threads only add contention on a busy box.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Thousands of tiny ops: intra-op threads only add contention on a busy box.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def flash(
@@ -71,11 +66,10 @@ def flash(
     *,
     plan: Any = EVERY_FAMILY_PLAN,
     num_ubatches: int = 1,
-    kernel: str = "flashmla",
     padded_heads: int | None = None,
     hf: Any = DSV4_FLASH_HF_CONFIG,
 ) -> WorkspaceConfig:
-    dims, ratios = dims_from_hf_config(hf, tp_size=tp, kernel=kernel, padded_heads=padded_heads)
+    dims, ratios = dims_from_hf_config(hf, tp_size=tp, padded_heads=padded_heads)
     return build_workspace_config(dims, max_num_batched_tokens=tokens, indexer_kv_dtype=indexer,
                                   plan=plan, num_ubatches=num_ubatches, compress_ratios=ratios)
 
@@ -95,12 +89,9 @@ def test_padded_q_heads_rule():
     assert [padded_q_heads(h) for h in (65, 100, 128)] == [128] * 3
     with pytest.raises(ValueError, match="at most 128"):
         padded_q_heads(129)
-    assert padded_q_heads(16, "torch") == 16
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="local_heads"):
             padded_q_heads(bad)
-    with pytest.raises(ValueError, match="kernel"):
-        padded_q_heads(8, "triton")
 
 
 @pytest.mark.parametrize("tp,local", [(1, 64), (2, 32), (4, 16), (8, 8)])
@@ -121,7 +112,6 @@ def test_dims_from_hf_config_flash_tp(tp, local):
         assert dict(cfg.params) == {**dataclasses.asdict(dims), "indexer_kv_dtype": "fp8",
                                     "plan": "custom"}
     assert flash(tp=tp, padded_heads=local).params["padded_q_heads"] == local
-    assert flash(tp=tp, kernel="torch").params["padded_q_heads"] == local
 
 
 def test_dims_and_config_errors():
@@ -479,21 +469,26 @@ def test_add_layer_then_reserve():
 
 
 def test_env_policy_and_debug(monkeypatch):
+    # The settings reach the manager through the layer core's make_workspace
+    # (envs.py reads them); the manager itself reads no setting.
     monkeypatch.delenv("VLLM_DSV4_WORKSPACE", raising=False)
     monkeypatch.delenv("VLLM_DSV4_WORKSPACE_DEBUG", raising=False)
-    assert resolve_policy() == "shared"
-    assert resolve_debug() is False
+    assert make_workspace(small(), device="cpu").policy == "shared"
+    assert make_workspace(small(), device="cpu").debug is False
     for p in ("shared", "private", "off", " PRIVATE "):
         monkeypatch.setenv("VLLM_DSV4_WORKSPACE", p)
-        assert resolve_policy() == p.strip().lower()
-        assert WorkspaceManager(small()).policy == p.strip().lower()
+        assert make_workspace(small(), device="cpu").policy == p.strip().lower()
+        assert WorkspaceManager(small()).policy == "shared"
     monkeypatch.setenv("VLLM_DSV4_WORKSPACE", "pool")
     with pytest.raises(ValueError, match="VLLM_DSV4_WORKSPACE"):
-        WorkspaceManager(small())
+        make_workspace(small(), device="cpu")
     assert resolve_policy("off") == "off"
+    with pytest.raises(ValueError, match="policy"):
+        WorkspaceManager(small(), policy="pool")
     monkeypatch.setenv("VLLM_DSV4_WORKSPACE_DEBUG", "1")
-    assert WorkspaceManager(small(), policy="shared").debug is True
-    assert resolve_debug(False) is False
+    monkeypatch.setenv("VLLM_DSV4_WORKSPACE", "shared")
+    assert make_workspace(small(), device="cpu").debug is True
+    assert WorkspaceManager(small(), policy="shared").debug is False
 
 
 # --- debug mode ---------------------------------------------------------------------------
@@ -502,7 +497,7 @@ def test_env_policy_and_debug(monkeypatch):
 def test_debug_poisons_released_region():
     mgr = WorkspaceManager(small(indexer="fp8"), policy="shared", debug=True)
     mgr.reserve()
-    for fam in ("q", "indexer_q", "topk", "compressor"):
+    for fam in FAMILIES:
         ls = mgr.lease("layers.1", fam, 6)
         for v in ls.views.values():
             v.view(torch.uint8).fill_(0)
@@ -602,7 +597,7 @@ def _run_flash_schedule(
         tokens=t_max,
         tp=8,
         indexer="mxfp4",
-        kernel="torch",  # 8 heads unpadded keeps the test fast; layout is the same
+        padded_heads=8,  # 8 heads unpadded keeps the test fast; layout is the same
     )
     names = [f"model.layers.{i}.self_attn" for i in range(43)]
     mgr = WorkspaceManager(cfg, list(zip(names, cfg.layer_kinds)), policy=policy)

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from tests.support.families import FAMILIES
 from vllm_dsv4_backend import eager
 from vllm_dsv4_backend.layer.plan import (
     DSV4_FLASH_HF_CONFIG,
@@ -49,7 +50,6 @@ from vllm_dsv4_backend.workspace import (
 MNBT = 24
 # SWA, C4, C128, C4, and an MTP-style drafter layer (compress_ratio 1: q only).
 RATIOS = (0, 4, 128, 4, 1)
-FAMILIES = ("q", "indexer_q", "topk", "compressor")
 LAYER_OF = {"q": "layers.0", "indexer_q": "layers.1", "topk": "layers.1",
             "compressor": "layers.2"}
 

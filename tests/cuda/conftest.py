@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import os
 from importlib import metadata
+from typing import Any
+
+import pytest
 
 
 def _vllm_version() -> str | None:
@@ -32,3 +35,26 @@ if (_vllm_version() or "").startswith(("0.33.", "0.34.")):
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 # Each test module starts with support.cuda_guard.require_vllm_cuda() (a module-level
 # skip), because the modules import vLLM 0.33 / 0.34 names at import time.
+
+
+@pytest.fixture
+def simulated_cuda(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """vLLM's current platform answering as CUDA (no GPU, nothing launched);
+    the plugin's process state and vLLM's module global restored afterwards.
+    Returns the platform. (Imports vLLM when used: a test module that asks for it
+    has passed ``require_vllm_cuda`` already.)"""
+    import vllm.models.deepseek_v4.nvidia.model as nvm
+    from vllm.models.deepseek_v4.nvidia.flashmla import DeepseekV4FlashMLAAttention
+    from vllm.platforms import current_platform
+
+    from vllm_dsv4_backend import plugin
+    from vllm_dsv4_backend.vllm_compat import attention
+
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False, raising=False)
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True, raising=False)
+    monkeypatch.setattr(nvm, "DeepseekV4FlashMLAAttention", DeepseekV4FlashMLAAttention)
+    monkeypatch.setattr(plugin, "_REGISTERED", False)
+    monkeypatch.setattr(plugin, "_state", {"applied": []})
+    monkeypatch.setattr(attention, "_installed", {})
+    monkeypatch.delenv("VLLM_DSV4_ATTN_IMPL", raising=False)
+    return current_platform

@@ -29,13 +29,12 @@ from tests.support.cuda_guard import require_vllm_cuda
 require_vllm_cuda()
 
 import vllm.models.deepseek_v4.nvidia.model as nvm  # noqa: E402
-from vllm.models.deepseek_v4.nvidia.flashmla import DeepseekV4FlashMLAAttention  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 
 from tests.support.layer_streams import Model  # noqa: E402
 from vllm_dsv4_backend import plugin  # noqa: E402
 from vllm_dsv4_backend.layer import cuda  # noqa: E402
-from vllm_dsv4_backend.vllm_compat import attention, guards  # noqa: E402
+from vllm_dsv4_backend.vllm_compat import guards  # noqa: E402
 from vllm_dsv4_backend.workspace.manager import Lease  # noqa: E402
 
 
@@ -138,17 +137,9 @@ def test_v41_gets_vllms_own_path_with_one_line(monkeypatch, caplog) -> None:
         guards.check_architecture(cfg)
 
 
-def test_v41_selector_keeps_its_own_layer_with_the_plugin_installed(monkeypatch) -> None:
+def test_v41_selector_keeps_its_own_layer_with_the_plugin_installed(simulated_cuda) -> None:
     import vllm.models.deepseek_v41.nvidia.model as v41
-    from vllm.platforms import current_platform
 
-    monkeypatch.setattr(current_platform, "is_cpu", lambda: False, raising=False)
-    monkeypatch.setattr(current_platform, "is_cuda", lambda: True, raising=False)
-    monkeypatch.setattr(nvm, "DeepseekV4FlashMLAAttention", DeepseekV4FlashMLAAttention)
-    monkeypatch.setattr(plugin, "_REGISTERED", False)
-    monkeypatch.setattr(plugin, "_state", {"applied": []})
-    monkeypatch.setattr(attention, "_installed", {})
-    monkeypatch.delenv("VLLM_DSV4_ATTN_IMPL", raising=False)
     plugin.register()
     assert nvm.DeepseekV4FlashMLAAttention is cuda.DSV4FlashMLAAttention  # V4: the plugin's
     own = v41.DeepseekV4FlashMLAAttention

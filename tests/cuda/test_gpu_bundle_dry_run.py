@@ -172,15 +172,11 @@ def test_check_dry_run_with_vllm_blocked(bundle_dir: Path, tmp_path: Path) -> No
 
 
 def test_every_case_is_flashmla_legal() -> None:
-    import torch
+    from tests.support.threads import one_thread
 
-    threads = torch.get_num_threads()
     # Small tensor ops: one thread (several oversubscribe the shared CI cores, ~5x slower).
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         _check_every_case()
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _check_every_case() -> None:

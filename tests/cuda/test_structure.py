@@ -219,22 +219,6 @@ def _fake_config(backend: AttentionBackendEnum | None) -> types.SimpleNamespace:
     return types.SimpleNamespace(attention_config=types.SimpleNamespace(backend=backend))
 
 
-@pytest.fixture
-def simulated_cuda(monkeypatch: pytest.MonkeyPatch):
-    """vLLM's current platform answering as CUDA (no GPU, nothing launched);
-    the plugin's process state and the module global restored afterwards."""
-    from vllm.platforms import current_platform
-
-    monkeypatch.setattr(current_platform, "is_cpu", lambda: False, raising=False)
-    monkeypatch.setattr(current_platform, "is_cuda", lambda: True, raising=False)
-    monkeypatch.setattr(nvm, "DeepseekV4FlashMLAAttention", DeepseekV4FlashMLAAttention)
-    monkeypatch.setattr(plugin, "_REGISTERED", False)
-    monkeypatch.setattr(plugin, "_state", {"applied": []})
-    monkeypatch.setattr(attention, "_installed", {})
-    monkeypatch.delenv("VLLM_DSV4_ATTN_IMPL", raising=False)
-    return current_platform
-
-
 def test_register_on_cuda_installs_the_module_global(simulated_cuda) -> None:
     plugin.register()
     state = plugin.state()

@@ -17,6 +17,8 @@ import random
 import pytest
 import torch
 
+from tests.support.families import AUX_FAMILIES, FAMILIES
+from tests.support.stream_schedule import Pool49236Layout
 from vllm_dsv4_backend.layer.plan import (
     DSV4_FLASH_HF_CONFIG,
     build_workspace_config,
@@ -35,7 +37,6 @@ from vllm_dsv4_backend.workspace import (
     WorkspaceManager,
     count_allocations,
 )
-from vllm_dsv4_backend.workspace.sizing import Layout, Slot
 
 pytestmark = [
     pytest.mark.gpu,
@@ -96,18 +97,6 @@ def test_fences_off_real_streams_corrupt(variant):
 
 
 def test_pool49236_layout_corrupts_on_real_streams():
-    class Pool49236Layout(WorkspaceManager):
-        def _plan_layout(self) -> Layout:
-            base = super()._plan_layout()
-            q = self.config.slot_bytes("q")
-            aux = max(self.config.slot_bytes(f) for f in ("indexer_q", "topk", "compressor"))
-            slots = tuple(
-                Slot(s.ubatch, s.family, s.index, 0 if s.family == "q" else q,
-                     q if s.family == "q" else aux)
-                for s in base.slots
-            )
-            return Layout(base.policy, slots, base.slot_of, q + aux)
-
     mgr = Pool49236Layout(flash_config(), policy="shared", device="cuda")
     mgr.reserve()
     assert run_program(mgr, "wide")
@@ -140,7 +129,7 @@ def test_flash_schedule_zero_allocations_on_cuda(policy):
                                   dtype=torch.uint8, generator=gen)
             for s in cfg.family_buffers(fam)
         }
-        for fam in ("q", "indexer_q", "topk", "compressor")
+        for fam in FAMILIES
     }
     out = torch.empty(t_max, cfg.params["padded_q_heads"], cfg.params["head_dim"],
                       dtype=torch.bfloat16, device="cuda")
@@ -180,7 +169,7 @@ def test_flash_schedule_zero_allocations_on_cuda(policy):
     # Correct contents after the last step (T = t_max): the last C4 layer's views.
     last_c4 = [n for n, r in mgr.layers.items() if r == 4][-1]
     if policy != "off":
-        for fam in ("indexer_q", "topk", "compressor"):
+        for fam in AUX_FAMILIES:
             with mgr.lease(last_c4, fam, t_max) as ls:
                 for vname, v in ls.views.items():
                     assert torch.equal(bytes_of(v), src[fam][vname]), (fam, vname)

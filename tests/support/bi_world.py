@@ -21,7 +21,8 @@ tests/vllm file passes vLLM's ``torch.ops._C`` kernels). A *schedule* is a list
 of steps, each a list of ``(request, position)`` tokens in batch order;
 :func:`run_schedule` runs one on a fresh copy of the world and returns every
 token's outputs and the final cache bytes, so two schedules of the same work
-can be compared bit for bit.
+can be compared bit for bit. :data:`REQUESTS` and :data:`SCHEDULES` are the work
+and the schedules both test files run.
 """
 
 from __future__ import annotations
@@ -371,6 +372,36 @@ def solo_schedule(world: World) -> list[list[tuple[int, int]]]:
     """Every token alone, each request's positions in order."""
     return [[(r, p)] for r, q in enumerate(world.requests)
             for p in range(q.prefix, q.length)]
+
+
+# --- the eager step's work and schedules: decode-only, prefill-only, mixed, chunked ---
+# (prefix, work): 0 = a long prefill crossing 2048 tokens (visible 511 -> 515, the short-
+# context rule then the indexer), 1 = a long decode, 2 = a short decode, 3 = a fresh
+# prompt (visible 0 for its first 3 tokens), 4 = a short prefill.
+REQUESTS = [(2044, 16), (2200, 2), (300, 2), (0, 12), (100, 12)]
+
+
+def _tok(r: int, lo: int, hi: int) -> list[tuple[int, int]]:
+    return [(r, p) for p in range(lo, hi)]
+
+
+SCHEDULES = {
+    # decodes batched together; each prefill one chunk, alone
+    "decode-only": [[(1, 2200), (2, 300)], [(2, 301), (1, 2201)], _tok(0, 2044, 2060),
+                    _tok(3, 0, 12), _tok(4, 100, 112)],
+    # the three prefills in one batch; decodes alone
+    "prefill-only": [_tok(0, 2044, 2060) + _tok(3, 0, 12) + _tok(4, 100, 112),
+                     [(1, 2200)], [(1, 2201)], [(2, 300)], [(2, 301)]],
+    # decodes and prefill chunks together; every prefill split across two calls
+    "mixed-chunked": [[(1, 2200), (2, 300)] + _tok(0, 2044, 2050) + _tok(3, 0, 5)
+                      + _tok(4, 100, 107),
+                      _tok(4, 107, 112) + [(2, 301)] + _tok(0, 2050, 2060) + _tok(3, 5, 12)
+                      + [(1, 2201)]],
+    # the long prefill cut at the short/long boundary (first call all <= 512 visible)
+    "chunked-at-2051": [_tok(0, 2044, 2051), _tok(0, 2051, 2060) + _tok(3, 0, 12),
+                        [(1, 2200), (2, 300)] + _tok(4, 100, 112),
+                        [(2, 301), (1, 2201)]],
+}
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,8 @@ tests/core/test_compressor_store.py and tests/vllm/test_compressor_vllm_ops.py.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -204,6 +206,25 @@ def run_compress(sc: Scenario, **kw):
 # byte-layout helpers (test-local, from the published formats)
 # ------------------------------------------------------------------------------------------
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def indexer_store_case(n_tokens: int, gen: torch.Generator, save_partial_states: Callable
+                       ) -> tuple[torch.Tensor, ...]:
+    """A C4 indexer compressor after ``n_tokens`` consecutive positions of one request
+    (state slot = position: blocks 0..3 of 16), saved by ``save_partial_states`` (the
+    plugin's op or vLLM's ``save_partial_states_cpu``): ``(state, pos, gather, rms,
+    kv_slots)``, the window gather of each token's 8 states and distinct slots of a
+    3-block, 64-entry indexer cache for the store."""
+    state = torch.full((4, 16, 512), math.nan)
+    pos = torch.arange(n_tokens, dtype=torch.int64)
+    save_partial_states(torch.randn(n_tokens, 256, generator=gen),
+                        2 * torch.randn(n_tokens, 256, generator=gen),
+                        0.5 * torch.randn(4, 256, generator=gen), pos, state, pos)
+    win = pos[:, None] - 7 + torch.arange(8)
+    gather = torch.where(win >= 0, win, torch.full_like(win, -1))
+    rms = 1 + 0.1 * torch.randn(128, generator=gen)
+    kv_slots = torch.randperm(3 * 64, generator=gen)[:n_tokens].long()
+    return state, pos, gather, rms, kv_slots
 
 
 def make_cache(num_blocks: int, block: int, entry: int, pad: int) -> tuple[torch.Tensor, ...]:

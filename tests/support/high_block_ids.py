@@ -27,6 +27,7 @@ from tests.support.oracle import (
     read_token_bytes,
     sparse_decode_ref,
 )
+from tests.support.threads import one_thread_fixture
 from vllm_dsv4_backend.formats import fp8_ds_mla as F
 from vllm_dsv4_backend.formats import indexer_cache as ic
 
@@ -39,13 +40,8 @@ ROPE = 64
 EPS = 1e-6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Small ops on a shared 2-core box: one intra-op thread avoids OpenMP barrier stalls."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Small ops on a shared 2-core box: one intra-op thread avoids OpenMP barrier stalls.
+one_thread = one_thread_fixture(autouse=True)
 
 
 @dataclass

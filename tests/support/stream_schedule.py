@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 
+from tests.support.families import AUX_FAMILIES
 from vllm_dsv4_backend.layer.plan import Dims, build_workspace_config
 from vllm_dsv4_backend.testing.schedule import (
     STREAM_ROLES,
@@ -31,8 +32,6 @@ FLASH_RATIOS = (0, 0) + (4, 128) * 20 + (4,)
 T_MAX = 16
 # (tokens of ubatch 0, tokens of ubatch 1) per step: decode, mixed, full.
 STEP_TOKENS = ((3, 1), (T_MAX, 7))
-# The families #49236 put at one offset (every family but the attention output ``q``).
-AUX_FAMILIES = ("indexer_q", "topk", "compressor")
 
 
 def small_config(

@@ -126,6 +126,23 @@ def run_script_report(script: str | Path, args: Sequence[str], out: Path, timeou
     return json.loads(out.read_text())
 
 
+def run_module_report(module: str, spec: Any, d: Path, env: Mapping[str, str],
+                      timeout: float, what: str = "worker") -> Any:
+    """Run ``python -m module <d>/spec.json <d>/out.json`` (``spec`` written as JSON; cwd:
+    the repository root; env: ``env`` through :func:`tests.support.worker_env`; output to
+    ``<d>/worker.log``) and return the JSON report it wrote. A worker that exits non-zero or
+    writes no report fails the test with ``what`` and its log's tail."""
+    (d / "spec.json").write_text(json.dumps(spec))
+    with open(d / "worker.log", "w") as log:
+        proc = subprocess.run([sys.executable, "-m", module, str(d / "spec.json"),
+                               str(d / "out.json")], cwd=ROOT, env=worker_env(env),
+                              stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+    if proc.returncode != 0 or not (d / "out.json").exists():
+        pytest.fail(f"{what} failed (rc {proc.returncode}):\n"
+                    + (d / "worker.log").read_text(errors="replace")[-6000:])
+    return json.loads((d / "out.json").read_text())
+
+
 def run_workers_at_once(script: str | Path, specs: Mapping[str, Any], d: Path,
                         envs: Mapping[str, Mapping[str, str]], timeout: float) -> dict[str, dict]:
     """Run ``python script <d>/<name>.json <d>/<name>-out.json`` for every ``name, spec``

@@ -29,6 +29,8 @@ import torch
 pytest.importorskip("vllm")
 
 from tests.support import bi_world as W  # noqa: E402
+from tests.support.compressor_store import indexer_store_case  # noqa: E402
+from tests.support.threads import one_thread  # noqa: E402
 from tests.support.vllm_helpers import CPU_LAYER_KERNELS, real_cpp_ops  # noqa: E402
 from vllm_dsv4_backend.formats import fp8_ds_mla  # noqa: E402
 from vllm_dsv4_backend.formats import indexer_cache as ic  # noqa: E402
@@ -344,40 +346,18 @@ class RealOps(W.StepOps):
 
 
 # Same work and schedules as tests/core/test_batch_invariance.py (FP8 indexer only).
-REQUESTS = [(2044, 16), (2200, 2), (300, 2), (0, 12), (100, 12)]
-
-
-def _tok(r: int, lo: int, hi: int) -> list[tuple[int, int]]:
-    return [(r, p) for p in range(lo, hi)]
-
-
-SCHEDULES = {
-    "decode-only": [[(1, 2200), (2, 300)], [(2, 301), (1, 2201)], _tok(0, 2044, 2060),
-                    _tok(3, 0, 12), _tok(4, 100, 112)],
-    "prefill-only": [_tok(0, 2044, 2060) + _tok(3, 0, 12) + _tok(4, 100, 112),
-                     [(1, 2200)], [(1, 2201)], [(2, 300)], [(2, 301)]],
-    "mixed-chunked": [[(1, 2200), (2, 300)] + _tok(0, 2044, 2050) + _tok(3, 0, 5)
-                      + _tok(4, 100, 107),
-                      _tok(4, 107, 112) + [(2, 301)] + _tok(0, 2050, 2060) + _tok(3, 5, 12)
-                      + [(1, 2201)]],
-    "chunked-at-2051": [_tok(0, 2044, 2051), _tok(0, 2051, 2060) + _tok(3, 0, 12),
-                        [(1, 2200), (2, 300)] + _tok(4, 100, 112), [(2, 301), (1, 2201)]],
-}
+REQUESTS, SCHEDULES = W.REQUESTS, W.SCHEDULES
 
 
 @pytest.fixture(scope="module")
 def kernel_runs(C):
     # One thread: on a shared 2-core box an OpenMP barrier costs ~8 ms per tiny kernel
     # call; the kernel tests above cover the thread counts.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         world = W.make_world(REQUESTS, "fp8", seed=5)
         real = RealOps(C)
         solo = W.run_schedule(world, W.solo_schedule(world), real)
         return solo, {name: W.run_schedule(world, s, real) for name, s in SCHEDULES.items()}
-    finally:
-        torch.set_num_threads(n)
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
@@ -533,15 +513,7 @@ def test_indexer_cache_layout_across_vllm_and_plugin(C):
     gen = torch.Generator().manual_seed(39)
     n_tok = 64
     cs = W.cos_sin_cache()
-    state = torch.full((4, 16, 512), math.nan)
-    pos = torch.arange(n_tok, dtype=torch.int64)
-    C.save_partial_states_cpu(torch.randn(n_tok, 256, generator=gen),
-                              2 * torch.randn(n_tok, 256, generator=gen),
-                              0.5 * torch.randn(4, 256, generator=gen), pos, state, pos)
-    win = pos[:, None] - 7 + torch.arange(8)
-    gather = torch.where(win >= 0, win, torch.full_like(win, -1))
-    rms = 1 + 0.1 * torch.randn(128, generator=gen)
-    kv_slots = torch.randperm(3 * 64, generator=gen)[:n_tok].long()
+    state, pos, gather, rms, kv_slots = indexer_store_case(n_tok, gen, C.save_partial_states_cpu)
     by_vllm = torch.full((3, 64, 132), 0xFF, dtype=torch.uint8)
     C.compress_norm_rope_store_indexer_cpu(state, gather, pos, kv_slots, rms, 1e-6, cs,
                                            by_vllm.view(3, -1), 64, 4)

@@ -25,6 +25,7 @@ import torch
 pytest.importorskip("vllm")
 
 from tests.data.golden import golden_io as gio  # noqa: E402
+from tests.support.threads import one_thread  # noqa: E402
 from tests.support.vllm_helpers import real_cpp_ops  # noqa: E402
 from vllm_dsv4_backend.vllm_compat import cpu_ops  # noqa: E402
 
@@ -39,10 +40,8 @@ FILES = list(gio.files())
 def real_ops() -> Any:
     """``torch.ops._C`` with vLLM's kernels loaded; skips where they are not real."""
     ops = real_cpp_ops(OPS)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # the recording's setting (the box is shared)
-    yield ops
-    torch.set_num_threads(n)
+    with one_thread():  # the recording's setting (the box is shared)
+        yield ops
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -37,8 +37,9 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("lm_eval")
 
-from tests.support import ROOT, worker_env  # noqa: E402
+from tests.support import ROOT  # noqa: E402
 from tests.support import trained_eval as T  # noqa: E402
+from tests.support.vllm_helpers import run_module_report  # noqa: E402
 from vllm_dsv4_backend import run as R  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -156,16 +157,9 @@ def in_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
               "max_model_len": 1024, "seed": 0, "attention_backend": "FLASHMLA_SPARSE_DSV4",
               "generation_config": "vllm"}
     spec = {"model": str(MODEL), "engine": engine, "docs": task_docs, "faults": list(FAULTS)}
-    (d / "spec.json").write_text(json.dumps(spec))
-    env = worker_env({**os.environ, "OMP_NUM_THREADS": "1", "VLLM_DSV4_ATTN_IMPL": "plugin"})
-    with open(d / "worker.log", "w") as log:
-        proc = subprocess.run([sys.executable, "-m", "tests.support.trained_eval",
-                               str(d / "spec.json"), str(d / "out.json")], cwd=ROOT, env=env,
-                              stdout=log, stderr=subprocess.STDOUT, timeout=1800)
-    if proc.returncode != 0 or not (d / "out.json").exists():
-        pytest.fail(f"worker failed (rc {proc.returncode}):\n"
-                    + (d / "worker.log").read_text(errors="replace")[-6000:])
-    gens = json.loads((d / "out.json").read_text())
+    gens = run_module_report(
+        "tests.support.trained_eval", spec, d,
+        {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_DSV4_ATTN_IMPL": "plugin"}, 1800)
     return {f: T.results_table(g, task_docs) for f, g in gens.items()}
 
 

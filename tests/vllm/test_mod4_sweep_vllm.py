@@ -42,6 +42,7 @@ pytest.importorskip("vllm")
 
 from tests.support import ROOT, worker_env  # noqa: E402
 from tests.support import mod4_sweep as S  # noqa: E402
+from tests.support.threads import one_thread  # noqa: E402
 from tests.support.vllm_helpers import (  # noqa: E402
     CPU_LAYER_KERNELS,
     TINY_ENGINE,
@@ -100,14 +101,10 @@ class LayerTableOps(S.VllmConventionOps):
 
 
 def test_mod4_sweep_vllm_kernels(C) -> None:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # an OpenMP barrier per tiny kernel call costs ms on 2 cores
-    try:
+    with one_thread():  # an OpenMP barrier per tiny kernel call costs ms on 2 cores
         t0 = time.perf_counter()
         findings, entry = S.sweep(S.LENGTHS, lambda: LayerTableOps(C))
         dt = time.perf_counter() - t0
-    finally:
-        torch.set_num_threads(n)
     print(f"\n[mod4 sweep] vllm_cpu kernels: {len(S.LENGTHS)} lengths, {len(findings)} "
           f"tokens, {dt:.1f} s\n{S.table(findings)}")
     assert not entry, "\n".join(entry)

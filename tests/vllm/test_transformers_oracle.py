@@ -51,18 +51,14 @@ engine variants, a 3500-token prompt and the chunked-prefill engine.
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 
-from tests.support import ROOT, worker_env
 from tests.support import transformers_oracle as O
-from tests.support.vllm_helpers import TINY_ENGINE
+from tests.support.vllm_helpers import TINY_ENGINE, run_module_report
 
 FULL = os.environ.get("DSV4_ORACLE_FULL", "0") == "1"
 
@@ -112,23 +108,13 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     reqs = _requests()
     engine = {k: v for k, v in TINY_ENGINE.items() if k != "load_format"}
     spec = {"model": str(model), "engine": engine, "requests": reqs, "variants": _variants()}
-    (d / "spec.json").write_text(json.dumps(spec))
     # one thread: another engine or session may share the 2 cores
-    env = worker_env({**os.environ, "OMP_NUM_THREADS": "1"})
-    with open(d / "worker.log", "w") as log:
-        proc = subprocess.run([sys.executable, "-m", "tests.support.transformers_oracle",
-                               str(d / "spec.json"), str(d / "out.json")], cwd=ROOT, env=env,
-                              stdout=log, stderr=subprocess.STDOUT, timeout=3000)
-    if proc.returncode != 0 or not (d / "out.json").exists():
-        pytest.fail(f"oracle worker failed (rc {proc.returncode}):\n"
-                    + (d / "worker.log").read_text(errors="replace")[-6000:])
-    res = json.loads((d / "out.json").read_text())
+    res = run_module_report("tests.support.transformers_oracle", spec, d,
+                            {**os.environ, "OMP_NUM_THREADS": "1"}, 3000, "oracle worker")
 
-    import torch
+    from tests.support.threads import one_thread
 
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         ref_model = O.load_reference(model)
         cache: dict[tuple[int, ...], tuple[list[float], list[int]]] = {}
 
@@ -142,8 +128,6 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             v["refs"] = [ref(r["ids"]) for r in v["rows"]]
             v["fault_refs"] = {f: [ref(r["ids"]) for r in rows]
                                for f, rows in v["faults"].items()}
-    finally:
-        torch.set_num_threads(n)
     res_names = [r["name"] for r in reqs]
     return {"res": res, "names": res_names,
             "short": [i for i, r in enumerate(reqs) if r["faults"]]}

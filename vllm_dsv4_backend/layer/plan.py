@@ -44,7 +44,6 @@ from vllm_dsv4_backend.workspace.sizing import BufferSpec, FamilySpec, Workspace
 
 __all__ = [
     "DSV4_FLASH_HF_CONFIG",
-    "KERNELS",
     "LEASE_PLAN",
     "Dims",
     "build_workspace_config",
@@ -92,8 +91,6 @@ LEASE_PLAN: dict[str, dict[str, Plan]] = {
         "c128": {"q": ("out",), "compressor": ("scratch",)},
     }),
 }
-
-KERNELS: tuple[str, ...] = ("flashmla", "torch")
 
 # DeepSeek-V4-Flash, from its HF config.json (43 layers + 1 MTP entry).
 DSV4_FLASH_HF_CONFIG: dict[str, Any] = {
@@ -220,37 +217,32 @@ def build_workspace_config(
     )
 
 
-def padded_q_heads(local_heads: int, kernel: str = "flashmla") -> int:
+def padded_q_heads(local_heads: int) -> int:
     """Number of q heads the attention kernel needs for ``local_heads`` heads.
 
     FlashMLA's sparse FP8 decode kernel only runs with 64 or 128 q heads, so
     ``local_heads <= 64`` pads to 64 and ``65..128`` to 128 (vLLM's
-    ``get_padded_num_q_heads``); more than 128 is an error. The torch path
-    (``kernel="torch"``) needs no padding and returns ``local_heads``.
+    ``get_padded_num_q_heads``); more than 128 is an error.
     """
     if not isinstance(local_heads, int) or isinstance(local_heads, bool) or local_heads < 1:
         raise ValueError(f"local_heads: expected a positive int, got {local_heads!r}")
-    if kernel == "torch":
-        return local_heads
-    if kernel != "flashmla":
-        raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
     if local_heads <= 64:
         return 64
     if local_heads <= 128:
         return 128
     raise ValueError(
         f"local_heads: FlashMLA supports at most 128 q heads per rank, got {local_heads}; "
-        "raise tensor parallelism or use kernel='torch'"
+        "raise tensor parallelism"
     )
 
 
 def dims_from_hf_config(
-    hf_config: Any, *, tp_size: int, kernel: str = "flashmla", padded_heads: int | None = None
+    hf_config: Any, *, tp_size: int, padded_heads: int | None = None
 ) -> tuple[Dims, tuple[int, ...]]:
     """The dimensions of one rank and the compress ratios of the attention
     layers, from a DeepSeek-V4 HF config (object or dict; ``compress_ratios``
     may carry MTP entries after the first ``num_hidden_layers``: dropped).
-    ``padded_heads`` overrides ``padded_q_heads(local, kernel)``."""
+    ``padded_heads`` overrides ``padded_q_heads(local)``."""
 
     def get(name: str) -> Any:
         v = hf_config.get(name) if isinstance(hf_config, Mapping) else getattr(
@@ -272,7 +264,7 @@ def dims_from_hf_config(
     dims = Dims(
         num_local_heads=local,
         padded_q_heads=padded_heads if padded_heads is not None
-        else padded_q_heads(local, kernel),
+        else padded_q_heads(local),
         head_dim=int(get("head_dim")),
         index_n_heads=int(get("index_n_heads")),
         index_head_dim=int(get("index_head_dim")),

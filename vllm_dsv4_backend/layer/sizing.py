@@ -26,7 +26,6 @@ from vllm_dsv4_backend.workspace.sizing import (
 
 from .plan import (
     DSV4_FLASH_HF_CONFIG,
-    KERNELS,
     LEASE_PLAN,
     build_workspace_config,
     dims_from_hf_config,
@@ -65,7 +64,6 @@ def memory_table(
     indexer_kv_dtypes: Sequence[str] = INDEXER_KV_DTYPES,
     policies: Sequence[str] = POLICIES,
     num_ubatches: int = 1,
-    kernel: str = "flashmla",
     shared_slots: int = 1,
 ) -> list[dict[str, Any]]:
     """Rows of reserved bytes per family and total, beside the #49236 pool.
@@ -79,7 +77,7 @@ def memory_table(
     hf = DSV4_FLASH_HF_CONFIG if hf_config is None else hf_config
     rows: list[dict[str, Any]] = []
     for tp in tp_sizes:
-        dims, ratios = dims_from_hf_config(hf, tp_size=tp, kernel=kernel)
+        dims, ratios = dims_from_hf_config(hf, tp_size=tp)
         for dt in indexer_kv_dtypes:
             cfg = build_workspace_config(
                 dims, max_num_batched_tokens=max_num_batched_tokens, indexer_kv_dtype=dt,
@@ -133,19 +131,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=8192, help="max_num_batched_tokens")
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--ubatches", type=int, default=1)
-    ap.add_argument("--kernel", choices=KERNELS, default="flashmla")
     ap.add_argument("--shared-slots", type=int, default=1)
     ap.add_argument("--platform", nargs="+", choices=sorted(LEASE_PLAN),
                     default=["cuda", "cpu"], help="whose lease plan to size")
     a = ap.parse_args(argv)
     print(
-        f"DeepSeek-V4-Flash, T={a.tokens}, micro-batches={a.ubatches}, kernel={a.kernel}, "
+        f"DeepSeek-V4-Flash, T={a.tokens}, micro-batches={a.ubatches}, "
         f"shared slots={a.shared_slots}; MiB reserved at load (off: allocator, nothing "
         "reserved). #49236 pool = padded q + max(aux families), no DBO."
     )
     for platform in a.platform:
         rows = memory_table(platform=platform, tp_sizes=a.tp, max_num_batched_tokens=a.tokens,
-                            num_ubatches=a.ubatches, kernel=a.kernel,
+                            num_ubatches=a.ubatches,
                             shared_slots=a.shared_slots)
         print()
         print(f"{platform}: the layer's lease plan (layer.plan.LEASE_PLAN)")

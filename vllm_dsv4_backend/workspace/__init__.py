@@ -32,7 +32,6 @@ _EXPORTS: dict[str, str] = {
     "WorkspaceCapacityError": "lease",
     "WorkspaceLeaseError": "lease",
     "WorkspaceManager": "manager",
-    "resolve_debug": "manager",
     "resolve_policy": "manager",
     "POLICIES": "sizing",
     "BufferSpec": "sizing",
@@ -87,7 +86,6 @@ __all__ = [
     "plan_layout",
     "private_fit_tokens",
     "reserve_budget_bytes",
-    "resolve_debug",
     "resolve_policy",
     "workspace_bytes",
 ]

@@ -15,12 +15,39 @@ logs every ``VLLM_DSV4_WORKSPACE_LOG_EVERY`` model steps and at shutdown.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 MIB = 1 << 20
 
-# The totals a model step is measured in, in the order ``tick`` takes them.
-COUNTERS: tuple[str, ...] = ("leases", "allocations", "fence_waits", "fallbacks")
+
+class Counter(NamedTuple):
+    """One live counter: ``name`` keys the manager's running totals and
+    :meth:`LiveCounters.snapshot` (``<name>_total``, ...); ``series`` and
+    ``doc`` name its ``/metrics`` counter (``vllm_dsv4_workspace_<series>_total``)
+    and ``words`` its part of the summary line."""
+
+    name: str
+    series: str
+    doc: str
+    words: str
+
+
+# The totals a model step is measured in. A new counter is one entry here and
+# its count in the manager (``WorkspaceManager._totals``); the snapshot, the
+# summary line and the /metrics series follow from this table.
+LIVE_COUNTERS: tuple[Counter, ...] = (
+    Counter("leases", "leases", "Workspace leases taken by the attention layers", "leases"),
+    Counter("allocations", "leased_family_allocations",
+            "Tensors allocated for leased buffer families (0 unless policy off)",
+            "allocations in leased families"),
+    Counter("fence_waits", "fence_waits", "Cross-stream fence waits before a lease",
+            "fence waits"),
+    Counter("fallbacks", "fallbacks",
+            "Buffers a layer allocated itself where the workspace could not serve",
+            "fallbacks to the layer's own allocation"),
+)
+COUNTERS: tuple[str, ...] = tuple(c.name for c in LIVE_COUNTERS)
 
 
 class LiveCounters:
@@ -30,34 +57,42 @@ class LiveCounters:
 
     def __init__(self) -> None:
         self.steps = 0
-        self._base: tuple[int, ...] | None = None
-        self._mark: tuple[int, ...] = (0,) * len(COUNTERS)
+        self._base: dict[str, int] | None = None
+        self._mark: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.max_per_step: dict[str, int] = dict.fromkeys(COUNTERS, 0)
 
-    def tick(self, *totals: int) -> int:
-        """A model step begins; ``totals`` are the manager's running totals of
-        :data:`COUNTERS`. Returns the number of model steps begun so far."""
+    def tick(self, totals: Mapping[str, int]) -> int:
+        """A model step begins; ``totals`` are the manager's running totals,
+        by counter name (:data:`COUNTERS`). Returns the number of model steps
+        begun so far."""
+        now = {name: totals[name] for name in COUNTERS}
         if self._base is None:
-            self._base = totals
+            self._base = now
         else:
-            for name, now, before in zip(COUNTERS, totals, self._mark, strict=True):
-                self.max_per_step[name] = max(self.max_per_step[name], now - before)
-        self._mark = totals
+            for name in COUNTERS:
+                self.max_per_step[name] = max(self.max_per_step[name],
+                                              now[name] - self._mark[name])
+        self._mark = now
         self.steps += 1
         return self.steps
 
-    def snapshot(self, *totals: int) -> dict[str, Any]:
+    def snapshot(self, totals: Mapping[str, int]) -> dict[str, Any]:
         """``steps`` and, per counter, ``<name>_total`` (since the first model
         step, the step in progress included), ``<name>_per_step`` (mean) and
         ``<name>_max_per_step`` (over finished steps)."""
         base = self._base if self._base is not None else totals
         out: dict[str, Any] = {"steps": self.steps}
-        for name, now, b in zip(COUNTERS, totals, base, strict=True):
-            total = now - b
+        for name in COUNTERS:
+            total = totals[name] - base[name]
             out[f"{name}_total"] = total
             out[f"{name}_per_step"] = total / self.steps if self.steps else 0.0
             out[f"{name}_max_per_step"] = self.max_per_step[name]
         return out
+
+
+# The counters the summary line words in its own order (stable wording); any
+# other counter follows them, at the end of the line.
+_WORDED = ("leases", "allocations", "fence_waits", "fallbacks")
 
 
 def format_summary(label: str, live: dict[str, Any], *, policy: str, reserved_bytes: int,
@@ -74,4 +109,7 @@ def format_summary(label: str, live: dict[str, Any], *, policy: str, reserved_by
         f"reserved {reserved_bytes / MIB:.1f} MiB, peak leased {peak_leased_bytes / MIB:.1f} MiB, "
         f"policy {policy}, fallbacks to the layer's own allocation "
         f"{live['fallbacks_per_step']:.1f}/step ({live['fallbacks_total']} total)"
+    ) + "".join(
+        f", {c.words} {live[f'{c.name}_per_step']:.1f}/step ({live[f'{c.name}_total']} total)"
+        for c in LIVE_COUNTERS if c.name not in _WORDED
     )

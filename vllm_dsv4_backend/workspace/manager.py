@@ -78,8 +78,6 @@ from typing import Any
 
 import torch
 
-from vllm_dsv4_backend import envs
-
 from .lease import (  # noqa: F401  (re-exported: the manager's public names)
     Lease,
     WorkspaceBudgetError,
@@ -88,7 +86,7 @@ from .lease import (  # noqa: F401  (re-exported: the manager's public names)
     _poison,
     _Slot,
 )
-from .live import LiveCounters, format_summary
+from .live import COUNTERS, LiveCounters, format_summary
 from .sizing import (
     POLICIES,
     BufferSpec,
@@ -106,29 +104,16 @@ DEFAULT_POLICY = "shared"
 GIB = 1 << 30
 
 
-def resolve_policy(policy: str | None = None) -> str:
-    """``policy`` if given, else the ``VLLM_DSV4_WORKSPACE`` setting (default ``shared``).
+def resolve_policy(policy: str) -> str:
+    """``policy``, checked against :data:`POLICIES` (the setting itself is
+    read by :mod:`vllm_dsv4_backend.envs` and passed in by the layer core).
 
     Raises:
-        ValueError: an unknown ``policy``, or a bad setting (the error of
-            :mod:`vllm_dsv4_backend.envs`, the same as every other reader's).
+        ValueError: an unknown ``policy``.
     """
-    if policy is None:
-        policy = envs.VLLM_DSV4_WORKSPACE
     if policy not in POLICIES:
         raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
     return policy
-
-
-def resolve_debug(debug: bool | None = None) -> bool:
-    """``debug`` if given, else the ``VLLM_DSV4_WORKSPACE_DEBUG`` setting (default off).
-
-    Raises:
-        ValueError: a bad setting (e.g. ``maybe``; the error of :mod:`vllm_dsv4_backend.envs`).
-    """
-    if debug is not None:
-        return bool(debug)
-    return envs.VLLM_DSV4_WORKSPACE_DEBUG
 
 
 class WorkspaceManager:
@@ -140,13 +125,13 @@ class WorkspaceManager:
             ``config.kinds``); default ``("layers.{i}", k)`` for
             ``config.layer_kinds``. More can be added with ``add_layer``
             before ``reserve()``.
-        policy: ``"shared"``, ``"private"`` or ``"off"``; ``None`` means the
-            ``VLLM_DSV4_WORKSPACE`` setting (read through ``envs``; default ``shared``).
+        policy: ``"shared"``, ``"private"`` or ``"off"`` (serving passes the
+            ``VLLM_DSV4_WORKSPACE`` setting; see ``layer.core.make_workspace``).
         device: where the storage lives.
         streams: the ``StreamBackend``; default CUDA streams on CUDA devices,
             no streams on CPU; tests pass a ``SimStreamBackend``.
-        debug: poison released regions and check overlaps; ``None`` means the
-            ``VLLM_DSV4_WORKSPACE_DEBUG`` setting (read through ``envs``).
+        debug: poison released regions and check overlaps (serving passes the
+            ``VLLM_DSV4_WORKSPACE_DEBUG`` setting).
         shared_slots: slots per family and micro-batch under ``shared``
             (1 = least memory; 2 = ping-pong, so layer ``n+1``'s producer
             need not wait for layer ``n``'s consumer, at twice the memory).
@@ -160,10 +145,10 @@ class WorkspaceManager:
         config: WorkspaceConfig,
         layers: Sequence[tuple[str, int]] | None = None,
         *,
-        policy: str | None = None,
+        policy: str = DEFAULT_POLICY,
         device: torch.device | str = "cpu",
         streams: StreamBackend | None = None,
-        debug: bool | None = None,
+        debug: bool = False,
         shared_slots: int = 1,
         _unsafe_disable_fences_for_tests: bool = False,
     ) -> None:
@@ -171,7 +156,7 @@ class WorkspaceManager:
             raise ValueError(f"config: expected a WorkspaceConfig, got {type(config).__name__}")
         self.config = config
         self.policy = resolve_policy(policy)
-        self.debug = resolve_debug(debug)
+        self.debug = bool(debug)
         self.device = torch.device(device)
         self._backend: StreamBackend = streams if streams is not None \
             else default_backend(self.device)
@@ -193,12 +178,10 @@ class WorkspaceManager:
         self._lookup: dict[tuple[str, str, int], Any] = {}
         self._live: list[Lease] = []  # debug only
 
-        self._leases_total = 0
+        # The live counters' running totals, by name (live.LIVE_COUNTERS).
+        self._totals: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._leased_bytes = 0
         self._peak_leased_bytes = 0
-        self._fence_waits_total = 0
-        self._allocs_total = 0
-        self._fallbacks_total = 0
         self._live_counters = LiveCounters()
 
     # --- setup ----------------------------------------------------------------------
@@ -373,7 +356,7 @@ class WorkspaceManager:
                     views[spec.name] = torch.empty(
                         (num_tokens, *spec.per_token_shape), dtype=spec.dtype, device=self.device
                     )
-            self._allocs_total += len(specs)
+            self._totals["allocations"] += len(specs)
             nbytes = sum(spec.nbytes(num_tokens) for spec in specs)
             lease = Lease(self, None, layer_name, family, num_tokens, ubatch, stream, key,
                           views, nbytes)
@@ -399,7 +382,7 @@ class WorkspaceManager:
             if self.debug:
                 self._live.append(lease)
 
-        self._leases_total += 1
+        self._totals["leases"] += 1
         self._leased_bytes += nbytes
         if self._leased_bytes > self._peak_leased_bytes:
             self._peak_leased_bytes = self._leased_bytes
@@ -431,7 +414,7 @@ class WorkspaceManager:
                 ev = slot.events[k] = backend.new_event()
             backend.record(ev, s)
             backend.wait(stream, ev)
-            self._fence_waits_total += 1
+            self._totals["fence_waits"] += 1
         slot.last_streams = ()
 
     def _make_views(
@@ -581,10 +564,6 @@ class WorkspaceManager:
         """The first registered layer's name (``None`` before any)."""
         return next(iter(self._layers), None)
 
-    def _live_totals(self) -> tuple[int, int, int, int]:
-        return (self._leases_total, self._allocs_total, self._fence_waits_total,
-                self._fallbacks_total)
-
     def count_fallback(self, layer_name: str, family: str) -> None:
         """A layer let its own code allocate a buffer of ``family`` because the
         workspace could not serve it (e.g. a shape the reservation does not
@@ -592,13 +571,13 @@ class WorkspaceManager:
         log line shows every buffer that bypassed the workspace."""
         if layer_name not in self._layers:
             raise ValueError(f"layer_name: {layer_name!r} is not a registered layer")
-        self._fallbacks_total += 1
+        self._totals["fallbacks"] += 1
 
     def model_step(self) -> int:
         """A served model step begins (the layer core calls this at each
         forward of :attr:`first_layer` for micro-batch 0). Returns the number
         of model steps so far (see :meth:`live_stats`)."""
-        return self._live_counters.tick(*self._live_totals())
+        return self._live_counters.tick(self._totals)
 
     def live_stats(self) -> dict[str, Any]:
         """Served model steps (``steps``), and leases, allocations the manager
@@ -608,7 +587,7 @@ class WorkspaceManager:
         ``<name>_max_per_step`` (``leases`` / ``allocations`` /
         ``fence_waits`` / ``fallbacks``); with
         ``reserved_bytes_total`` and ``peak_leased_bytes``."""
-        out = self._live_counters.snapshot(*self._live_totals())
+        out = self._live_counters.snapshot(self._totals)
         out["reserved_bytes_total"] = 0 if self._layout is None else self._layout.total_bytes
         out["peak_leased_bytes"] = self._peak_leased_bytes
         return out
@@ -663,11 +642,11 @@ class WorkspaceManager:
             "reserved_bytes_per_family": self.reserved_bytes_per_family(),
             "reserved_bytes_per_layer": self.reserved_bytes_per_layer(),
             "num_slots": len(self._slots),
-            "leases_total": self._leases_total,
+            "leases_total": self._totals["leases"],
             "leased_bytes_now": self._leased_bytes,
             "peak_leased_bytes": self._peak_leased_bytes,
-            "fence_waits_total": self._fence_waits_total,
-            "allocations_total": self._allocs_total,
+            "fence_waits_total": self._totals["fence_waits"],
+            "allocations_total": self._totals["allocations"],
         }
 
     def __repr__(self) -> str:
