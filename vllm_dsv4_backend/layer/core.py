@@ -10,7 +10,7 @@ platform lives here, once:
 * the model-config reader (:func:`workspace_config`): vLLM's config and the
   layer's own attributes handed to the one config builder
   (:func:`.plan.build_workspace_config`, which reserves exactly the
-  platform's lease plan), with the indexer-dtype clamp
+  platform's lease plan), with the one reader of the indexer cache dtype
   (:func:`indexer_kv_dtype`) and vLLM's micro-batch count
   (:func:`num_ubatches`);
 * the per-model manager registry (:func:`manager_for`: one manager per

@@ -156,7 +156,7 @@ class DSV4Compressor(DeepseekV4CPUCompressor):
     The ops are looked up in vLLM's module at call time, as vLLM's body does.
     """
 
-    # Set by DSV4CPUAttention (plain attributes, see DSV4Indexer).
+    # Set by DSV4CPUAttention (plain attributes, with object.__setattr__).
     _dsv4_tables: cpu_tables.StepTables
     _dsv4_mxfp4_store: bool
 
@@ -209,7 +209,8 @@ class DSV4Indexer(DeepseekV4CPUIndexer):
     ``indexer_q`` lease (FP8: vLLM's ``fused_indexer_q_rope_quant_cpu``;
     MXFP4: the plugin's torch quantizer). Everything else is vLLM's
     ``forward``: the short-context fill of vLLM's top-k buffer, the order
-    q-quant then compressor."""
+    q-quant then compressor. Its layer (:func:`.core.owner_of`) holds the
+    region and the indexer cache dtype."""
 
     def forward(
         self,
