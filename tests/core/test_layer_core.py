@@ -480,3 +480,60 @@ def test_model_steps_and_live_summary(monkeypatch, caplog, every):
     finalizers[0]()
     assert "5 model steps" in caplog.records[-1].getMessage()
     assert "at shutdown" in caplog.records[-1].getMessage()
+
+
+def test_one_seam_for_both_layers(monkeypatch):
+    """Both layers are ``(vLLM's class, core.WorkspaceLayer)``: one set of names for
+    the workspace, the region holder, the owner link and the reservation; a model
+    step begins in the region holder only (the first registered layer's forward
+    for micro-batch 0), where the layer's own step-start work (``on_step``) runs."""
+    monkeypatch.setattr(core, "_managers", {})
+    ws = core.manager_for(_vllm_config("mxfp4", ubatching=True), _layer(), "cpu")
+    ids = [0]
+    monkeypatch.setattr(core, "ubatch_id", lambda: ids[0])
+
+    class Sub:
+        pass
+
+    class SubPlugin(Sub):
+        pass
+
+    class Layer(core.WorkspaceLayer):
+        def __init__(self, prefix: str) -> None:
+            self.prefix, self.compress_ratio, self.indexer = prefix, 4, Sub()
+
+    began: list[str] = []
+    layers = [Layer(f"layers.{i}") for i in range(2)]
+    for layer in layers:
+        layer._dsv4_attach_workspace(ws, "CPU", on_step=lambda n=layer.prefix: began.append(n))
+        layer._dsv4_adopt(layer.indexer, SubPlugin)
+    assert list(ws.layers) == ["layers.0", "layers.1"]
+    first, second = layers
+    assert type(first.indexer) is SubPlugin and core.owner_of(first.indexer) is first
+    assert first.indexer_kv_dtype == second.indexer_kv_dtype == "mxfp4"
+    first._dsv4_reserve()
+    assert ws.reserved
+    assert not first._dsv4_current_region() and first._dsv4_home_stream() is None
+    for _ in range(3):
+        for u in (0, 1):
+            ids[0] = u
+            for layer in layers:
+                with layer.dsv4_region(4) as region:
+                    assert layer._dsv4_current_region() is region
+                    assert layer._dsv4_home_stream() == "cpu"
+    assert began == ["layers.0"] * 3 and ws.live_stats()["steps"] == 3
+    assert first._dsv4_regions.starts_steps and not second._dsv4_regions.starts_steps
+
+
+def test_indexer_dtype_read_once(monkeypatch):
+    """``core.indexer_kv_dtype`` is the one reader (as vLLM resolves it, so the CPU
+    backend's check names an unsupported value); the workspace sizes an unknown
+    one for FP8 (vLLM's indexer refuses it with its own message)."""
+    assert core.indexer_kv_dtype(_vllm_config("bf16")) == "bf16"
+    config = core.workspace_config(_vllm_config("bf16"), _layer(), "cpu")
+    assert config.params["indexer_kv_dtype"] == "fp8"
+    reads = [p.relative_to(PACKAGE) for p in PACKAGE.rglob("*.py")
+             if "resolve_indexer_kv_dtype" in p.read_text()]
+    # vllm_compat/patches.py: vLLM's own dsa_indexer_uses_fp4, lifted on CPU (a floor
+    # below the layers, so it cannot import layer.core).
+    assert sorted(map(str, reads)) == ["layer/core.py", "vllm_compat/patches.py"], reads

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The CPU layer's slot tables equal vLLM's, value for value.
 
-``layer/cpu.py`` builds the sliding-window and compressed slot tables, the
+``layer/cpu_tables.py`` builds the sliding-window and compressed slot tables, the
 compressors' gather tables and the short-context top-k rows with fewer ops
 than vLLM's ``DeepseekV4CPUAttention.forward_mqa``,
 ``DeepseekV4CPUCompressor.forward`` and
@@ -23,7 +23,7 @@ pytest.importorskip("vllm")
 from vllm.models.deepseek_v4.cpu.cpu_sparse import DeepseekV4CPUIndexer  # noqa: E402
 from vllm.models.deepseek_v4.cpu.cpu_utils import map_local_to_global_slots_cpu  # noqa: E402
 
-from vllm_dsv4_backend.layer import cpu as cpu_layer  # noqa: E402
+from vllm_dsv4_backend.layer import cpu_tables  # noqa: E402
 
 
 def _block_table(gen: torch.Generator, reqs: int, blocks: int) -> torch.Tensor:
@@ -53,7 +53,7 @@ def test_map_slots_equals_vllm(dtype, block_size):
     local[4, ::2] = -1
     req = torch.randint(0, reqs, (tokens,), generator=gen, dtype=torch.int32)
     want = map_local_to_global_slots_cpu(local, req, table, block_size)
-    got = cpu_layer._map_slots(local, req, table, block_size)
+    got = cpu_tables.map_slots(local, req, table, block_size)
     assert got.dtype == want.dtype == torch.int64
     assert torch.equal(got, want)
 
@@ -76,17 +76,17 @@ def test_window_slots_equal_vllm(window):
     md = SimpleNamespace(block_size=block_size, block_table=table, token_to_req_indices=req)
     layer = SimpleNamespace(window_size=window)
     want = _vllm_window_slots(window, positions, req, table, block_size)
-    got = cpu_layer.DSV4CPUAttention._window_slots(layer, md, positions)
+    got = cpu_tables.window_slots(layer, md, positions)
     assert torch.equal(got, want)
     # Second call reuses the cached offsets and gives the same table.
-    assert torch.equal(cpu_layer.DSV4CPUAttention._window_slots(layer, md, positions), want)
+    assert torch.equal(cpu_tables.window_slots(layer, md, positions), want)
 
 
 def test_step_tables_keep_one_table_per_cache_group() -> None:
     # A model has several KV cache groups (the tiny model's SWA caches form two: layers
     # 0/2 and 1/3), each with its own metadata object and block table. Layers of one
     # group share a table; a layer of the other group must never get it.
-    tables = cpu_layer._StepTables()
+    tables = cpu_tables.StepTables()
     positions = torch.arange(4)
     md_a, md_b = SimpleNamespace(name="a"), SimpleNamespace(name="b")
     builds: list[str] = []
@@ -123,12 +123,12 @@ def test_compressor_gather_slots_equal_vllm(window):
     win_local = positions.unsqueeze(-1) - window + 1 + torch.arange(window)
     want = map_local_to_global_slots_cpu(win_local, req[:n], table, block_size)
     compressor = SimpleNamespace()
-    got = cpu_layer.DSV4Compressor._gather_slots(compressor, md, positions, window)
+    got = cpu_tables.gather_slots(compressor, md, positions, window)
     assert got.dtype == want.dtype == torch.int64
     assert torch.equal(got, want)
     assert (got[0, : window - 1] == -1).all()
     # Second call reuses the cached offsets.
-    assert torch.equal(cpu_layer.DSV4Compressor._gather_slots(compressor, md, positions, window),
+    assert torch.equal(cpu_tables.gather_slots(compressor, md, positions, window),
                        want)
 
 
@@ -148,7 +148,7 @@ def test_short_context_rows_equal_vllm_fill(ratio):
 
     want, mine = indexer(), indexer()
     DeepseekV4CPUIndexer._fill_short_context_topk(want, positions, n)
-    rows = cpu_layer.DSV4Indexer._visible_rows(mine, positions, n)
+    rows = cpu_tables.visible_rows(mine, positions, n)
     mine.topk_indices_buffer[:n, :topk] = rows
     assert rows.dtype == torch.int32
     assert torch.equal(mine.topk_indices_buffer, want.topk_indices_buffer)

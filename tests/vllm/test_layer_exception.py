@@ -110,7 +110,7 @@ def _arm(spec: str) -> None:
                                **kwargs: Any) -> Any:
             if not _fault["fired"] and positions.numel() == 1 and int(positions[0]) == position:
                 _fault["fired"] = True
-                region = self._region
+                region = self._dsv4_current_region()
                 # What the step holds as it raises: what must come back.
                 _fault["held"] = list(region.held()) if region else None
                 print(f"[fault] {self.prefix} raises at position {position} holding "

@@ -113,7 +113,7 @@ class _Recorder:
                 "plugin_ms": [], "vllm_ms": [], "ratios": [], "identical": 0, "pairs": 0,
             })
             steps = self.steps.setdefault(self.case, [])
-            if layer._first_layer or not steps:
+            if layer._dsv4_regions.starts_steps or not steps:
                 steps.append([[0.0, 0.0] for _ in range(self.reps)])
             for r in range(self.reps):
                 order = ("plugin", "vllm") if r % 2 == 0 else ("vllm", "plugin")

@@ -10,7 +10,7 @@ platform lives here, once:
 * the model-config reader (:func:`workspace_config`): vLLM's config and the
   layer's own attributes handed to the one config builder
   (:func:`.plan.build_workspace_config`, which reserves exactly the
-  platform's lease plan), with the indexer-dtype clamp
+  platform's lease plan), with the one reader of the indexer cache dtype
   (:func:`indexer_kv_dtype`) and vLLM's micro-batch count
   (:func:`num_ubatches`);
 * the per-model manager registry (:func:`manager_for`: one manager per
@@ -20,12 +20,18 @@ platform lives here, once:
   ONE log line per manager at load: bytes per family, policy, micro-batches);
 * the region holder (:class:`RegionHolder`: a layer's open
   :class:`~vllm_dsv4_backend.eager.Region` per micro-batch and the stream it
-  was opened on), which also marks the served model steps
-  (``WorkspaceManager.model_step``: one per forward of the model's first
-  layer for micro-batch 0; under pipeline parallelism the stage's first
-  layer) and logs the live counters every
+  was opened on), the one place that decides a model step begins: one per
+  forward of the model's first layer for micro-batch 0 (under pipeline
+  parallelism the stage's first layer). It marks the served model step
+  (``WorkspaceManager.model_step``), runs the layer's own step-start work
+  (the CPU layer's step tables) and logs the live counters every
   ``VLLM_DSV4_WORKSPACE_LOG_EVERY`` model steps and at shutdown, naming that
-  layer (:func:`live_line`).
+  layer (:func:`live_line`);
+* the seam (:class:`WorkspaceLayer`): what both layers add to vLLM's class,
+  under one set of names (``_workspace``, ``_dsv4_regions``,
+  ``_dsv4_current_region()``, ``_dsv4_home_stream()``, ``dsv4_region()``,
+  ``_dsv4_reserve()``, ``indexer_kv_dtype``), and the link from a swapped
+  submodule back to its layer (:func:`link_owner` / :func:`owner_of`).
 
 This module imports no vLLM at import time (micro-batch ids are looked up
 lazily), so it loads under vLLM 0.32, 0.33 and 0.34 alike.
@@ -38,7 +44,7 @@ import importlib
 import multiprocessing.util
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -55,6 +61,7 @@ logger = init_logger(__name__)
 
 __all__ = [
     "RegionHolder",
+    "WorkspaceLayer",
     "indexer_kv_dtype",
     "layer_kind",
     "layer_span",
@@ -133,10 +140,18 @@ def num_ubatches(parallel_config: Any) -> int:
 
 
 def indexer_kv_dtype(vllm_config: Any) -> str:
-    """The indexer K cache dtype vLLM resolves (``fp8`` unless ``mxfp4``
-    is asked for); anything else is refused by vLLM's indexer (or the CPU
-    backend's checks) with its own message, so the workspace sizes for FP8."""
-    value = vllm_config.attention_config.resolve_indexer_kv_dtype("fp8")
+    """The indexer K cache dtype asked for (``indexer_kv_dtype``, or
+    ``use_fp4_indexer_cache`` mapped onto it; ``auto`` is ``fp8``), as vLLM
+    resolves it: the plugin's one reader of the setting. The workspace sizes
+    for it (:func:`workspace_config`) and both layers take the workspace's
+    value (:attr:`WorkspaceLayer.indexer_kv_dtype`)."""
+    return vllm_config.attention_config.resolve_indexer_kv_dtype("fp8")
+
+
+def _sized_indexer_kv_dtype(value: str) -> str:
+    """What the workspace sizes for: ``value`` if FP8 or MXFP4; anything else
+    is refused by vLLM's indexer (or the CPU backend's checks) with its own
+    message, so the workspace sizes for FP8."""
     return value if value in ("fp8", "mxfp4") else "fp8"
 
 
@@ -160,7 +175,7 @@ def workspace_config(vllm_config: Any, layer: Any, platform: str) -> WorkspaceCo
     return build_workspace_config(
         dims,
         max_num_batched_tokens=int(layer.max_num_batched_tokens),
-        indexer_kv_dtype=indexer_kv_dtype(vllm_config),
+        indexer_kv_dtype=_sized_indexer_kv_dtype(indexer_kv_dtype(vllm_config)),
         platform=platform,
         num_ubatches=num_ubatches(vllm_config.parallel_config),
     )
@@ -284,18 +299,22 @@ class RegionHolder:
     skips the micro-batch lookup when the workspace has one micro-batch
     (every region is then micro-batch 0); ``True`` asks vLLM every time, so a
     micro-batch id beyond the reservation is refused by the workspace.
+
+    It is also where a model step begins (:attr:`starts_steps`, decided here
+    only): ``on_step`` is the layer's own work at that moment.
     """
 
-    __slots__ = ("_counts_steps", "_homes", "_log_every", "_lookup", "_publisher", "_regions",
-                 "_seen", "layer_name", "platform", "workspace")
+    __slots__ = ("_counts_steps", "_homes", "_log_every", "_lookup", "_on_step", "_publisher",
+                 "_regions", "_seen", "layer_name", "platform", "workspace")
 
     def __init__(
         self, workspace: WorkspaceManager, layer_name: str, *, always_lookup: bool = False,
-        platform: str = "",
+        platform: str = "", on_step: Callable[[], None] | None = None,
     ) -> None:
         self.workspace = workspace
         self.layer_name = layer_name
         self.platform = platform
+        self._on_step = on_step
         self._log_every = envs.VLLM_DSV4_WORKSPACE_LOG_EVERY
         self._counts_steps: bool | None = None  # decided at the first open
         # The /metrics publisher, held by the model's last layer (decided at the first open;
@@ -320,22 +339,38 @@ class RegionHolder:
         """The stream the current micro-batch's region was opened on."""
         return self._homes.get(self._ubatch()) if self._homes else None
 
+    @property
+    def starts_steps(self) -> bool:
+        """Whether this layer's forwards begin the model steps: the
+        workspace's first layer (the model's, or under pipeline parallelism
+        the stage's), decided once, at the first forward, when every layer
+        has registered."""
+        counts = self._counts_steps
+        if counts is None:
+            counts = self._counts_steps = self.workspace.first_layer == self.layer_name
+            if counts and self._log_every:
+                _log_at_shutdown(self.workspace, self.platform)
+        return counts
+
+    def _step_begins(self) -> None:
+        """A model step begins: count it, log the live counters every
+        ``VLLM_DSV4_WORKSPACE_LOG_EVERY`` steps, run the layer's step-start work."""
+        ws = self.workspace
+        # Logged as model step N + 1 begins: N whole steps.
+        if self._log_every and self._seen and self._seen % self._log_every == 0:
+            logger.info("%s", live_line(ws, self.platform))
+        self._seen = ws.model_step()
+        if self._on_step is not None:
+            self._on_step()
+
     @contextlib.contextmanager
     def open(self, num_tokens: int) -> Iterator[eager.Region]:
         """One forward's leases of this layer and micro-batch, all released
         on exit (returned or raised)."""
         ws = self.workspace
         ubatch = self._ubatch()
-        if ubatch == 0:
-            if self._counts_steps is None:
-                self._counts_steps = ws.first_layer == self.layer_name
-                if self._counts_steps and self._log_every:
-                    _log_at_shutdown(ws, self.platform)
-            if self._counts_steps:
-                # Logged as model step N + 1 begins: N whole steps.
-                if self._log_every and self._seen and self._seen % self._log_every == 0:
-                    logger.info("%s", live_line(ws, self.platform))
-                self._seen = ws.model_step()
+        if ubatch == 0 and self.starts_steps:
+            self._step_begins()
         with eager.Region(ws, self.layer_name, num_tokens, ubatch) as region:
             self._regions[ubatch] = region
             self._homes[ubatch] = ws.backend.current_stream()
@@ -379,3 +414,82 @@ def _log_at_shutdown(workspace: WorkspaceManager, label: str) -> None:
             logger.info("%s (at shutdown)", live_line(ws, label))
 
     multiprocessing.util.Finalize(None, log, exitpriority=10)
+
+
+# --- the seam: what both layers add to vLLM's class ----------------------------------
+
+
+class WorkspaceLayer:
+    """The workspace bookkeeping of the plugin's layers, once for both
+    platforms: each layer is ``class X(<vLLM's layer>, WorkspaceLayer)``
+    (vLLM's class first: its methods, and the layer's place in vLLM's class
+    hierarchy, are unchanged), so the workspace, the region holder, the owner
+    link, the step start and the reservation have one set of names on both.
+
+    Attributes added to vLLM's class: ``_workspace`` (the model's
+    :class:`~vllm_dsv4_backend.workspace.WorkspaceManager`), ``_dsv4_regions``
+    (the layer's :class:`RegionHolder`) and ``_dsv4_memory_utilization``
+    (vLLM's memory share the reservation must fit next to; ``None``: the
+    available memory). No ``__init__``: a layer calls
+    :meth:`_dsv4_attach_workspace` once vLLM's ``__init__`` has built it.
+    """
+
+    # vLLM's layer attributes the seam reads.
+    prefix: str
+    compress_ratio: int
+
+    _workspace: WorkspaceManager
+    _dsv4_regions: RegionHolder
+    _dsv4_memory_utilization: float | None
+
+    def _dsv4_attach_workspace(
+        self, workspace: WorkspaceManager, platform: str, *, always_lookup: bool = False,
+        on_step: Callable[[], None] | None = None,
+    ) -> None:
+        """Register this layer with ``workspace`` (model order: the first
+        registered begins the steps) and give it its region holder
+        (``platform`` names it in the log lines; ``always_lookup`` and
+        ``on_step``: :class:`RegionHolder`)."""
+        self._workspace = workspace
+        self._dsv4_memory_utilization = None
+        workspace.add_layer(self.prefix, self.compress_ratio)
+        self._dsv4_regions = RegionHolder(workspace, self.prefix, always_lookup=always_lookup,
+                                          platform=platform, on_step=on_step)
+
+    def _dsv4_adopt(self, module: Any, cls: type) -> None:
+        """Give ``module`` (this layer's indexer or compressor, built by vLLM)
+        the plugin's subclass ``cls`` (which adds no state) and link it back to
+        this layer (:func:`link_owner`)."""
+        if not isinstance(module, cls):
+            module.__class__ = cls
+        link_owner(module, self)
+
+    @property
+    def indexer_kv_dtype(self) -> str:
+        """The indexer K cache dtype (``fp8`` or ``mxfp4``) the workspace was
+        sized for: :func:`indexer_kv_dtype`'s value, read once per model."""
+        return self._workspace.config.params["indexer_kv_dtype"]
+
+    # --- region state (per micro-batch) ----------------------------------------------
+
+    def _dsv4_current_region(self) -> eager.Region | eager.NoRegion:
+        """This layer's open region of the current micro-batch (a falsy
+        :class:`~vllm_dsv4_backend.eager.NoRegion` outside its forward)."""
+        return self._dsv4_regions.current()
+
+    def _dsv4_home_stream(self) -> Any:
+        """The stream the current micro-batch's region was opened on."""
+        return self._dsv4_regions.home()
+
+    def dsv4_region(self, num_tokens: int) -> contextlib.AbstractContextManager[eager.Region]:
+        """One forward's leases of this layer and micro-batch, released on
+        exit; the current stream is the region's home (default) stream; the
+        model's first layer begins a model step here."""
+        return self._dsv4_regions.open(num_tokens)
+
+    def _dsv4_reserve(self) -> None:
+        """Reserve the model's workspace once and log its line
+        (:func:`reserve_and_report`); ``private`` is refused here, with the
+        bytes and the budget, when one set of buffers per layer does not fit."""
+        reserve_and_report(self._workspace, self._dsv4_regions.platform,
+                           self._dsv4_memory_utilization)

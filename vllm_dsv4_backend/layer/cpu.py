@@ -41,8 +41,12 @@ step's positions and one KV cache group's metadata: the sliding-window slot
 table, C128's and short-context C4's compressed slot tables, the compressors'
 gather tables (:class:`DSV4Compressor`) and the short-context top-k rows
 (:class:`DSV4Indexer`). The plugin builds each once per step and cache group
-(:class:`_StepTables`), with fewer ops and the same values, and every layer
+(:mod:`.cpu_tables`), with fewer ops and the same values, and every layer
 reads it from there; the kernels get the same inputs.
+
+The workspace bookkeeping (region, region holder, owner link, the model
+step's start, the reservation) is :class:`.core.WorkspaceLayer`'s, shared
+with the CUDA layer.
 
 The methods whose bodies are vLLM's with only the buffers and the step's
 tables changed are listed, with a fingerprint of vLLM's source, in the
@@ -69,7 +73,7 @@ from vllm.utils.torch_utils import _encode_layer_name
 
 from vllm_dsv4_backend import eager, envs, testing
 from vllm_dsv4_backend.backend import DSV4FlashMLASparseBackend, DSV4SWABackend
-from vllm_dsv4_backend.layer import core
+from vllm_dsv4_backend.layer import core, cpu_tables
 from vllm_dsv4_backend.layer.core import layer_kind
 from vllm_dsv4_backend.ops import compressor as compressor_ops
 from vllm_dsv4_backend.ops import indexer as indexer_ops
@@ -114,82 +118,11 @@ _ROPE_DIM = 64  # vLLM's cpu_sparse._ROPE_DIM: the rotated tail of each head
 _logged_kinds: set[str] = set()
 
 
-class _StepTables:
-    """Per-model cache of one step's index tables (slot tables, compressor
-    gather tables, short-context top-k rows), one per table kind and metadata
-    object. The tables are read-only inputs of the kernels and copies.
-
-    A table depends on the step's positions and on one KV cache group's
-    metadata (its block table). Layers of the same group get the same
-    metadata object; a model has several groups (the tiny model's SWA caches
-    form two, layers 0/2 and 1/3), so the cache keeps one entry per kind and
-    metadata object, not one per kind (that thrashed: every layer rebuilt its
-    window table). Cleared by the model's first attention layer at the start of
-    every step, and an entry holds its metadata and positions objects and is
-    reused only for those very objects, so a table can never outlive the step
-    it was built for.
-    """
-
-    def __init__(self) -> None:
-        self._entries: dict[tuple[str, int, int], tuple[Any, torch.Tensor, torch.Tensor]] = {}
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-    def get(self, kind: str, md: Any, positions: torch.Tensor, build: Any) -> torch.Tensor:
-        key = (kind, id(md), id(positions))
-        hit = self._entries.get(key)
-        if hit is not None and hit[0] is md and hit[1] is positions:
-            return hit[2]
-        value = build()
-        self._entries[key] = (md, positions, value)
-        return value
-
-
-_step_tables: dict[int, _StepTables] = {}
-
-
-def _short_context(indexer_md: Any, compress_ratio: int, topk_tokens: int) -> bool:
-    """vLLM's rule (``DeepseekV4CPUIndexer.forward``): no row sees more than
-    ``topk_tokens`` compressed entries, so the indexer fills "every visible
-    entry" instead of scoring."""
-    return indexer_md.max_seq_len // compress_ratio <= topk_tokens
-
-
-def _arange(owner: Any, name: str, n: int, device: torch.device,
-            dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """``arange(n)`` kept on ``owner`` as ``name`` (a plain attribute, not a module
-    buffer) and rebuilt only when the device or length changes, so a table build
-    allocates no index vector."""
-    cached = owner.__dict__.get(name)
-    if cached is None or cached.device != device or cached.shape[0] != n:
-        cached = torch.arange(n, device=device, dtype=dtype)
-        owner.__dict__[name] = cached
-    return cached
-
-
-def _map_slots(
-    local: torch.Tensor, req_idx: torch.Tensor, block_table: torch.Tensor, block_size: int
-) -> torch.Tensor:
-    """``map_local_to_global_slots_cpu`` (vLLM's, same int64 result) in fewer
-    ops: every intermediate but the block ids and the result is updated in
-    place, and the -1 rows are masked once at the end."""
-    invalid = local < 0
-    offset = local.clamp(min=0).to(torch.int64)
-    block_pos = torch.div(offset, block_size, rounding_mode="floor")
-    offset.remainder_(block_size)
-    slot = block_table[req_idx.unsqueeze(-1), block_pos].to(torch.int64)
-    return slot.mul_(block_size).add_(offset).masked_fill_(invalid, -1)
-
-
 def workspace_manager_for(vllm_config: Any, layer: DSV4CPUAttention) -> WorkspaceManager:
     """The model's workspace manager (one per model per process,
     :func:`.core.manager_for`), created by its first attention layer; every
-    layer registers itself before load ends. The model's step tables
-    (:class:`_StepTables`) come with it."""
-    manager = core.manager_for(vllm_config, layer, "cpu")
-    _step_tables.setdefault(id(manager), _StepTables())
-    return manager
+    layer registers itself before load ends."""
+    return core.manager_for(vllm_config, layer, "cpu")
 
 
 def _sparse_mla_path(kernel: str) -> str:
@@ -223,8 +156,8 @@ class DSV4Compressor(DeepseekV4CPUCompressor):
     The ops are looked up in vLLM's module at call time, as vLLM's body does.
     """
 
-    # Set by DSV4CPUAttention (plain attributes, see DSV4Indexer).
-    _dsv4_tables: _StepTables
+    # Set by DSV4CPUAttention (plain attributes, with object.__setattr__).
+    _dsv4_tables: cpu_tables.StepTables
     _dsv4_mxfp4_store: bool
 
     def forward(self, kv_score: torch.Tensor, positions: torch.Tensor, rotary_emb) -> None:
@@ -245,7 +178,7 @@ class DSV4Compressor(DeepseekV4CPUCompressor):
         window = (1 + self.overlap) * self.compress_ratio
         gather_slots = self._dsv4_tables.get(
             f"gather{window}", state_md, positions,
-            lambda: self._gather_slots(state_md, positions, window),
+            lambda: cpu_tables.gather_slots(self, state_md, positions, window),
         )
         if self.head_dim == 512:
             store = ops.compress_norm_rope_store_cpu
@@ -266,15 +199,6 @@ class DSV4Compressor(DeepseekV4CPUCompressor):
             self.compress_ratio,
         )
 
-    def _gather_slots(self, state_md: Any, positions: torch.Tensor, window: int) -> torch.Tensor:
-        """vLLM's ``map_local_to_global_slots_cpu`` of the window
-        ``p - window + 1 .. p`` of every token (-1 before position 0)."""
-        offsets = _arange(self, "_dsv4_offsets", window, positions.device)
-        local = (positions - (window - 1)).unsqueeze(-1) + offsets
-        num_actual = state_md.slot_mapping.shape[0]
-        return _map_slots(local, state_md.token_to_req_indices[:num_actual],
-                          state_md.block_table, state_md.block_size)
-
 
 def _mxfp4_indexer_store(*args: Any) -> None:
     compressor_ops.compress_norm_rope_store_indexer(*args, indexer_kv_dtype="mxfp4")
@@ -285,11 +209,8 @@ class DSV4Indexer(DeepseekV4CPUIndexer):
     ``indexer_q`` lease (FP8: vLLM's ``fused_indexer_q_rope_quant_cpu``;
     MXFP4: the plugin's torch quantizer). Everything else is vLLM's
     ``forward``: the short-context fill of vLLM's top-k buffer, the order
-    q-quant then compressor."""
-
-    # Set by DSV4CPUAttention (a plain attribute; the layer is linked with
-    # core.link_owner).
-    _dsv4_dtype: str
+    q-quant then compressor. Its layer (:func:`.core.owner_of`) holds the
+    region and the indexer cache dtype."""
 
     def forward(
         self,
@@ -305,17 +226,18 @@ class DSV4Indexer(DeepseekV4CPUIndexer):
         attn_metadata = get_forward_context().attn_metadata
         if isinstance(attn_metadata, dict):
             md = attn_metadata[self.k_cache.prefix]
-            if _short_context(md, self.compress_ratio, self.topk_tokens):
+            if cpu_tables.short_context(md, self.compress_ratio, self.topk_tokens):
                 self.compressor(compressed_kv_score, positions, rotary_emb)
                 num_tokens = md.num_decode_tokens + md.num_prefill_tokens
                 if num_tokens > 0:
                     self._fill_short_context_topk(positions, num_tokens)
                 return None, None, None
 
-        lease = core.owner_of(self)._region.lease("indexer_q")
+        owner = core.owner_of(self)
+        lease = owner._dsv4_current_region().lease("indexer_q")
         num_tokens = positions.shape[0]
         q = self._wq_b_proj(qr, qr_scale).view(-1, self.n_head, self.head_dim)
-        if self._dsv4_dtype == "fp8":
+        if owner.indexer_kv_dtype == "fp8":
             q_out, w_out = lease["q"][:num_tokens], lease["weights"][:num_tokens]
             torch.ops._C.fused_indexer_q_rope_quant_cpu(
                 positions,
@@ -351,33 +273,28 @@ class DSV4Indexer(DeepseekV4CPUIndexer):
         the buffer, as vLLM's does)."""
         md = get_forward_context().attn_metadata[self.k_cache.prefix]
         rows = core.owner_of(self)._tables.get(
-            "c4_fill", md, positions, lambda: self._visible_rows(positions, num_tokens)
+            "c4_fill", md, positions, lambda: cpu_tables.visible_rows(self, positions, num_tokens)
         )
         self.topk_indices_buffer[:num_tokens, : self.topk_tokens] = rows
 
-    def _visible_rows(self, positions: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        buf = self.topk_indices_buffer
-        arange = _arange(self, "_dsv4_arange", self.topk_tokens, buf.device, buf.dtype)
-        visible = torch.div(positions[:num_tokens] + 1, self.compress_ratio,
-                            rounding_mode="floor")
-        return torch.where(arange < visible.unsqueeze(-1), arange, -1)
 
-
-class DSV4CPUAttention(DeepseekV4CPUAttention):
-    """DeepSeek-V4 attention served by the plugin (CPU build of vLLM 0.32)."""
+class DSV4CPUAttention(DeepseekV4CPUAttention, core.WorkspaceLayer):
+    """DeepSeek-V4 attention served by the plugin (CPU build of vLLM 0.32); the
+    workspace bookkeeping is :class:`.core.WorkspaceLayer`'s."""
 
     backend_cls = DSV4FlashMLASparseBackend
     swa_backend_cls = DSV4SWABackend
 
     def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, *args, **kwargs)
-        attn_cfg = vllm_config.attention_config
-        self.indexer_kv_dtype = attn_cfg.resolve_indexer_kv_dtype("fp8")
+        # As asked (not clamped): an indexer dtype the backend cannot serve is
+        # refused here, naming it; once accepted it is the workspace's
+        # (self.indexer_kv_dtype).
         reasons = DSV4FlashMLASparseBackend.unsupported_reasons(
             head_size=self.head_dim,
             dtype=vllm_config.model_config.dtype,
             kv_cache_dtype=vllm_config.cache_config.cache_dtype,
-            indexer_kv_dtype=self.indexer_kv_dtype,
+            indexer_kv_dtype=core.indexer_kv_dtype(vllm_config),
         )
         if reasons:
             raise ValueError(
@@ -385,14 +302,12 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
                 + "; ".join(reasons)
             )
         self.layer_kind = layer_kind(self.compress_ratio)
-        self._workspace = workspace_manager_for(vllm_config, self)
-        self._workspace.add_layer(self.prefix, self.compress_ratio)
-        self._tables = _step_tables[id(self._workspace)]
-        self._regions = core.RegionHolder(self._workspace, self.prefix, platform="CPU")
+        workspace = workspace_manager_for(vllm_config, self)
+        self._tables = cpu_tables.tables_for(workspace)
+        # The model's first attention layer begins each step: the step tables clear.
+        self._dsv4_attach_workspace(workspace, "CPU", on_step=self._tables.clear)
         if self.indexer is not None:
-            self.indexer.__class__ = DSV4Indexer
-            self.indexer._dsv4_dtype = self.indexer_kv_dtype
-            core.link_owner(self.indexer, self)
+            self._dsv4_adopt(self.indexer, DSV4Indexer)
         for compressor in (self.compressor, getattr(self.indexer, "compressor", None)):
             if compressor is not None:
                 compressor.__class__ = DSV4Compressor
@@ -406,24 +321,16 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         # fallback on CPUs without AVX512-BF16).
         self._sparse_mla = _sparse_mla_path(envs.VLLM_DSV4_KERNEL)
         self._path_logged = False
-        # The model's first attention layer starts each step (clears the step tables).
-        self._first_layer = next(iter(self._workspace.layers)) == self.prefix
         # Resolved once: the forward path reads no setting and imports nothing.
         self._layer_name_arg = _encode_layer_name(self.prefix)
         self._markers = envs.VLLM_DSV4_MARKER_DIR is not None
-
-    @property
-    def _region(self) -> eager.Region | eager.NoRegion:
-        """This layer's open region of the current micro-batch (a falsy
-        ``NoRegion`` outside its forward)."""
-        return self._regions.current()
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         super().process_weights_after_loading(act_dtype)
         # All layers exist by now: reserve once, before vLLM profiles memory;
         # private (a set of buffers per layer) is refused here, with the
         # alternatives, when it exceeds the memory available now.
-        core.reserve_and_report(self._workspace, "CPU")
+        self._dsv4_reserve()
         testing.after_layer_loaded(self)
 
     # --- the eager region ------------------------------------------------------------
@@ -437,9 +344,7 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         # vLLM's forward, with o_padded leased instead of a torch.empty per
         # layer and step.
         num_tokens = hidden_states.shape[0]
-        if self._first_layer:
-            self._tables.clear()
-        with self._regions.open(num_tokens) as region:
+        with self.dsv4_region(num_tokens) as region:
             try:
                 o_padded = region.lease("q")["out"]
                 qr_kv = self._fused_wqa_wkv_gemm(hidden_states)
@@ -494,7 +399,7 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
             else:
                 self._indexer_topk_mxfp4(index_q, index_q_scale, index_weights, positions)
             # The indexer q's last consumer has run.
-            self._region.release("indexer_q")
+            self._dsv4_current_region().release("indexer_q")
         if self.compress_ratio == 4:
             # Test only (the oracle's negative controls); returns at once when off.
             n = q.shape[0]
@@ -517,7 +422,7 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         block_size = kv_cache.shape[1]
         topk_tokens = indexer.topk_tokens
         buf = indexer.topk_indices_buffer
-        page_scratch = self._region.lease("topk")["global"]
+        page_scratch = self._dsv4_current_region().lease("topk")["global"]
         buf[:num_rows] = -1
         if md.num_prefills > 0:
             if topk_tokens != 512:
@@ -586,7 +491,7 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         flash_md = attn_metadata[self.prefix]
         ind_md = attn_metadata[indexer.k_cache.prefix]
         num_tokens = ind_md.num_decode_tokens + ind_md.num_prefill_tokens
-        topk = self._region.lease("topk")
+        topk = self._dsv4_current_region().lease("topk")
         eager.select_topk_c4(
             positions=positions[:num_tokens],
             token_to_req=swa_md.token_to_req_indices[:num_tokens],
@@ -626,7 +531,7 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         # the step's positions and the layer's cache group: built by the group's
         # first layer, reused by its others (vLLM builds them in every layer).
         window_slots = tables.get(
-            "window", swa_md, positions, lambda: self._window_slots(swa_md, positions)
+            "window", swa_md, positions, lambda: cpu_tables.window_slots(self, swa_md, positions)
         )
         # Test only (a negative control: a stale read); the same table when off.
         window_slots = testing.oracle_fault_window(window_slots, positions,
@@ -644,7 +549,7 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
             compressed_block_size = flash_md.block_size // self.compress_ratio
             if self.compress_ratio == 4:
                 def c4_slots() -> torch.Tensor:
-                    return _map_slots(
+                    return cpu_tables.map_slots(
                         self.topk_indices_buffer[: q.shape[0]], swa_md.token_to_req_indices,
                         flash_md.block_table, compressed_block_size,
                     )
@@ -653,7 +558,8 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
                 # with "every visible entry", the same for every C4 layer of
                 # the step, so the mapped table is shared like the others.
                 ind_md = attn_metadata[self.indexer.k_cache.prefix]
-                short = _short_context(ind_md, self.compress_ratio, self.indexer.topk_tokens)
+                short = cpu_tables.short_context(ind_md, self.compress_ratio,
+                                                 self.indexer.topk_tokens)
                 compressed_slots = (
                     tables.get("c4_short", flash_md, positions, c4_slots)
                     if short else c4_slots()
@@ -661,7 +567,7 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
             else:
                 compressed_slots = tables.get(
                     f"c{self.compress_ratio}", flash_md, positions,
-                    lambda: self._dense_compressed_slots(swa_md, flash_md, positions),
+                    lambda: cpu_tables.dense_compressed_slots(self, swa_md, flash_md, positions),
                 )
             compressed_cache_2d = self.kv_cache.view(self.kv_cache.shape[0], -1)
 
@@ -690,7 +596,7 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
         ``o``), the bmm output in the fp32 inverse-RoPE result (dead once
         copied). The same casts and copies in the same order: the same bytes.
         Where vLLM's ``flatten`` is a view (one token), so is the plugin's."""
-        region = self._region
+        region = self._dsv4_current_region()
         num_tokens, num_heads, head_dim = o.shape
         groups, rank = self.n_local_groups, self.o_lora_rank
         if not region or get_forward_context().attn_metadata is None:
@@ -717,47 +623,6 @@ class DSV4CPUAttention(DeepseekV4CPUAttention):
             z_tokens = scratch[: num_tokens * groups * rank].view(
                 num_tokens, groups, rank).copy_(z_tokens)
         return self.wo_b(z_tokens.reshape(num_tokens, groups * rank))
-
-    def _window_slots(self, swa_md: Any, positions: torch.Tensor) -> torch.Tensor:
-        """vLLM's causal sliding-window slot table ``[T, W]`` (int64, -1 pads),
-        the same values as its ``forward_mqa`` builds, in half the ops: column
-        ``j`` holds window position ``max(p - W + 1, 0) + j``, -1 past ``p``."""
-        window = self.window_size
-        offsets = _arange(self, "_win_offsets", window, positions.device)
-        pos = positions.unsqueeze(-1)
-        local = (positions - (window - 1)).clamp_(min=0).unsqueeze(-1) + offsets
-        # Columns past p (only when p < W - 1) are -1; they read block 0 like
-        # vLLM's clamped -1 before being masked.
-        invalid = local > pos
-        local.masked_fill_(invalid, 0)
-        block_size = swa_md.block_size
-        block_pos = torch.div(local, block_size, rounding_mode="floor")
-        local.remainder_(block_size)
-        slot = swa_md.block_table[swa_md.token_to_req_indices.unsqueeze(-1), block_pos]
-        slot = slot.to(torch.int64)
-        return slot.mul_(block_size).add_(local).masked_fill_(invalid, -1)
-
-    def _dense_compressed_slots(
-        self, swa_md: Any, flash_md: Any, positions: torch.Tensor
-    ) -> torch.Tensor:
-        """vLLM's C128 table: every visible compressed entry, as global slots."""
-        num_tokens = positions.shape[0]
-        device = positions.device
-        width = -(-self.max_model_len // self.compress_ratio)
-        # compress_lag(): 0 unless a test shifts the boundary (negative control).
-        num_compressed = torch.div(
-            positions + 1 - testing.compress_lag(), self.compress_ratio, rounding_mode="floor"
-        ).clamp(max=width)
-        arange_w = torch.arange(width, device=device)
-        local_topk = torch.where(
-            arange_w.unsqueeze(0) < num_compressed.unsqueeze(-1),
-            arange_w.unsqueeze(0).expand(num_tokens, width),
-            torch.full((num_tokens, width), -1, device=device, dtype=torch.int64),
-        )
-        return _map_slots(
-            local_topk, swa_md.token_to_req_indices, flash_md.block_table,
-            flash_md.block_size // self.compress_ratio,
-        )
 
     def _log_path(self) -> None:
         self._path_logged = True

@@ -10,22 +10,12 @@ The layer keeps vLLM's ``backend_cls`` (``DeepseekV4FlashMLABackend``: the KV
 specs, metadata builders and JIT warm-up key on ``FLASHMLA_SPARSE_DSV4``),
 vLLM's forward, its stream fan-out and its kernels (FlashMLA, DeepGEMM, the
 CuTe DSL / Triton fused ops). What changes is where the outputs of the eager
-region go:
-
-==========================================  ====================================  ==========
-buffer (vLLM 0.33 / 0.34 allocation)        now                                   stream
-==========================================  ====================================  ==========
-attention output ``_alloc_attn_out``        workspace ``q.out``                   default
-indexer q values / MXFP4 scales / weights   workspace ``indexer_q`` through the   aux0
-(``fused_indexer_q_rope_quant``)            kernel objects (``_INDEXER_Q_*`` or
-                                            their Triton twins) that take outputs
-C128 compressor fp32 scratch                workspace ``compressor`` through      aux0 (C128)
-(``_SPARSE_ATTN_COMPRESS_C128_BLOCK8``)     ``compressed_kv=``
-C4 decode global top-k indices and lengths  workspace ``topk.global``/``lens``    default
-(``compute_global_topk_indices_and_lens``)  through
-                                            ``_COMPUTE_GLOBAL_TOPK_INDICES_AND_
-                                            LENS_KERNEL``
-==========================================  ====================================  ==========
+region go: the attention output (``_alloc_attn_out``) into the workspace's
+``q.out``, the indexer q (``fused_indexer_q_rope_quant``) into ``indexer_q``
+through vLLM's kernel objects, the C128 compressor's fp32 scratch into
+``compressor`` and the C4 decode global top-k indices and lengths
+(``compute_global_topk_indices_and_lens``) into ``topk``; the table, with
+the stream of each, is ``docs/workspace.md`` ("What each layer leases").
 
 Where vLLM has **no output variant**, the allocation stays vLLM's and
 is not reimplemented here: the fused q-norm/RoPE/KV-insert
@@ -106,249 +96,13 @@ __all__ = [
     "workspace_manager_for",
 ]
 
-# The vLLM minor versions this module was read against.
-SUPPORTED_VLLM: tuple[tuple[int, int], ...] = ((0, 33), (0, 34))
-
-# The drift table: every vLLM symbol this layer depends on, one entry each,
-# "module:qualname" -> (roles, {vLLM minor: fingerprint}); checked by
-# layer_cls() (vllm_compat/fingerprints.py: the roles, the normalisation, the
-# messages). Roles: "copied" (an override here repeats the body with only the
-# output buffers and the kernel indirection changed, or relies on what it
-# calls), "fenced" (vLLM control flow the workspace fences' soundness rests on,
-# not repeated: the aux-stream fork/join that orders every hand-over at graph
-# replay, the eager break and the breakable capture, the compressor's stream
-# choice and the parallel input projections; see docs/workspace.md),
-# "decorated" (vLLM decorates it with eager_break_during_capture; checked on
-# DeepseekV4FlashMLAAttention), "source" (read from the source text: the
-# module imports cutlass). None: absent in that minor (checked). Copying one
-# more vLLM body = one more entry, with a fingerprint per supported minor
-# (`python -m vllm_dsv4_backend.vllm_compat.fingerprints --layer cuda` prints
-# them). Keep it a literal: tools/cuda_graph/build_stub.py reads it from this
-# file's text (it cuts the "copied"/"fenced" bodies of the modules it stubs).
-VLLM_DRIFT: dict[str, tuple[str, dict[str, str | None]]] = {
-    # forward() wraps it: relies on it calling _alloc_attn_out and _o_proj.
-    # 0.34: `_prepare_and_attn_fn(` -> `_prepare_and_attn(`.
-    "vllm.models.deepseek_v4.attention:DeepseekV4Attention.forward":
-        ("copied", {"0.33": "f6cb1b89b5a9524e", "0.34": "f3dd00fb7c177bbb"}),
-    "vllm.models.deepseek_v4.attention:DeepseekV4Attention._alloc_attn_out":
-        ("copied", {"0.33": "849d7b8129de8176", "0.34": "849d7b8129de8176"}),
-    "vllm.models.deepseek_v4.attention:DeepseekV4Attention._sparse_indexer_and_attn":
-        ("copied decorated", {"0.33": "6cbd97b346291a0e", "0.34": "6cbd97b346291a0e"}),
-    "vllm.models.deepseek_v4.attention:DeepseekV4Attention._prepare_and_attn":
-        ("copied", {"0.33": "286b9609633989d6", "0.34": "286b9609633989d6"}),
-    "vllm.models.deepseek_v4.attention:DeepseekV4Indexer._q_rope_quant":
-        ("copied", {"0.33": "fb2555cb2fb4264a", "0.34": "fb2555cb2fb4264a"}),
-    # 0.34: `_fill_short_context_topk_indices` made public.
-    "vllm.models.deepseek_v4.attention:DeepseekV4Indexer.forward":
-        ("copied", {"0.33": "5107191d0d64dabc", "0.34": "67606356967df910"}),
-    # 0.34: its CPU branch imports `vllm._cpu_ops`.
-    "vllm.models.deepseek_v4.common.ops.fused_indexer_q:fused_indexer_q_rope_quant":
-        ("copied", {"0.33": "ba22a863327681be", "0.34": "351c53c1351daaae"}),
-    "vllm.models.deepseek_v4.common.ops.cache_utils:compute_global_topk_indices_and_lens":
-        ("copied", {"0.33": "d1d3086ee9a8f9d2", "0.34": "d1d3086ee9a8f9d2"}),
-    "vllm.models.deepseek_v4.compressor:DeepseekCompressor._compress_norm_rope_store":
-        ("copied", {"0.33": "45873ded08c4b0e9", "0.34": "45873ded08c4b0e9"}),
-    "vllm.models.deepseek_v4.nvidia.flashmla:DeepseekV4FlashMLAAttention._forward_decode":
-        ("copied", {"0.33": "6caed9c89e317811", "0.34": "6caed9c89e317811"}),
-    "vllm.models.deepseek_v4.nvidia.flashmla:DeepseekV4FlashMLAAttention.forward_mqa":
-        ("copied", {"0.33": "6b62ae5fa919f811", "0.34": "6b62ae5fa919f811"}),
-    # DSV4CudaCompressor._compress_norm_rope_store repeats its C128 branch (the
-    # file is byte-identical in 0.33.0 and 0.34.0).
-    "vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl:"
-    "SparseAttnCompressorCuteDSL.__call__":
-        ("copied source", {"0.33": "1aed2b6b14e57d54", "0.34": "1aed2b6b14e57d54"}),
-    # --- the control flow the fences rely on ---
-    "vllm.utils.multi_stream_utils:execute_in_parallel":
-        ("fenced", {"0.33": "2640fdf87dd37260", "0.34": "2640fdf87dd37260"}),
-    "vllm.utils.multi_stream_utils:maybe_execute_in_parallel":
-        ("fenced", {"0.33": "73fdf282243c4653", "0.34": "73fdf282243c4653"}),
-    "vllm.compilation.breakable_cudagraph:eager_break_during_capture":
-        ("fenced", {"0.33": "2c704948c5b1c76d", "0.34": "2c704948c5b1c76d"}),
-    "vllm.compilation.breakable_cudagraph:BreakableCUDAGraphCapture":
-        ("fenced", {"0.33": "8269becd5503697e", "0.34": "8269becd5503697e"}),
-    "vllm.models.deepseek_v4.compressor:DeepseekCompressor.forward":
-        ("fenced", {"0.33": "2d960f098ef54037", "0.34": "2d960f098ef54037"}),
-    # 0.34: the compressors' `torch.mm(out_dtype=f32)` became their
-    # `fused_wkv_wgate` module, same streams.
-    "vllm.models.deepseek_v4.attention:DeepseekV4Attention._run_parallel_input_projections":
-        ("fenced", {"0.33": "c12534fd255ef740", "0.34": "5cbce5f307abc0fc"}),
-    # MRV1's eager path, removed in 0.34.
-    "vllm.models.deepseek_v4.attention:DeepseekV4Attention._prepare_and_attn_eager":
-        ("fenced decorated", {"0.33": "9fef557e90c02951", "0.34": None}),
-}
-
-# --- workspace ---------------------------------------------------------------------
-
-
-def _graph_safe_streams(device: torch.device) -> Any:
-    return GraphSafeCudaStreamBackend(device) if device.type == "cuda" else None
-
-
-def workspace_manager_for(
-    vllm_config: Any,
-    layer: DSV4FlashMLAAttention,
-    model_key: object,
-) -> WorkspaceManager:
-    """The workspace of one model (main model, MTP drafter or DSpark draft:
-    each has its own aux streams and top-k buffer, ``model_key``), created by
-    its first attention layer (:func:`.core.manager_for`, graph-safe CUDA
-    streams); reserved when the layers' weights are loaded."""
-    return core.manager_for(vllm_config, layer, "cuda", model_key,
-                            streams=_graph_safe_streams)
-
-
-
-# --- the indexer and the C128 compressor -------------------------------------------
-
-
-class DSV4CudaIndexer(DeepseekV4Indexer):
-    """vLLM's indexer with the quantized index q written into the region's
-    ``indexer_q`` lease by vLLM's kernel objects (on aux0 in vLLM's fan-out:
-    the lease is taken on the stream the call runs on, and the default
-    stream, where ``indexer_op`` reads it, is declared as consumer)."""
-
-    def _q_rope_quant(
-        self,
-        positions: torch.Tensor,
-        q: torch.Tensor,
-        rotary_emb: torch.nn.Module,
-        indexer_weights: torch.Tensor,
-    ) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
-        owner = core.owner_of(self)
-        region = owner._dsv4_current_region() if owner is not None else None
-        if not region:
-            # Dummy/profile run: vLLM's code, nothing leased.
-            return super()._q_rope_quant(positions, q, rotary_emb, indexer_weights)
-        if positions.shape[0] != region.num_tokens or (
-            not self.use_fp4_kv and _platform_fp8_dtype() != torch.float8_e4m3fn
-        ):
-            # A shape or an FP8 dtype the workspace was not sized for: vLLM allocates.
-            owner._workspace.count_fallback(owner.prefix, "indexer_q")
-            return super()._q_rope_quant(positions, q, rotary_emb, indexer_weights)
-        lease = region.lease("indexer_q")
-        home = owner._dsv4_home_stream()
-        if home is not None:
-            lease.used_on(home)
-        kernels = owner._dsv4_kernels
-        common = dict(
-            positions=positions,
-            q=q,
-            cos_sin_cache=rotary_emb.cos_sin_cache,
-            weights=indexer_weights,
-            weights_softmax_scale=self.softmax_scale,
-            weights_head_scale=self.n_head**-0.5,
-        )
-        weights_out = lease["weights"]
-        if self.use_fp4_kv:
-            q_packed, q_scale = lease["q"], lease["scales"]
-            kernels.indexer_q_mxfp4(**common, q_packed=q_packed, q_scale=q_scale,
-                                    weights_out=weights_out)
-            # As vLLM's wrapper: 4 ue8m0 bytes per (token, head) as one int32.
-            return (q_packed, q_scale.view(torch.int32).squeeze(-1)), weights_out
-        q_fp8 = lease["q"]
-        kernels.indexer_q_fp8(**common, q_fp8=q_fp8, weights_out=weights_out)
-        return q_fp8, weights_out
-
-
-def _platform_fp8_dtype() -> torch.dtype:
-    from vllm.platforms import current_platform
-
-    try:
-        return current_platform.fp8_dtype()
-    except Exception:  # noqa: BLE001 - an unspecified platform (CPU CI)
-        return torch.float8_e4m3fn
-
-
-class DSV4CudaCompressor(DeepseekCompressor):
-    """vLLM's MLA compressor of a C128 layer with its fp32 scratch
-    (``compressed_kv``) leased from the workspace: vLLM's CuTe DSL wrapper
-    allocates it per call; its two kernels take it as an argument. C4 and
-    the plain-row (bf16/fp8 full-cache) layouts allocate nothing here or have
-    no scratch argument, and run vLLM's code unchanged."""
-
-    def _compress_norm_rope_store(
-        self,
-        state_metadata: Any,
-        state_cache: torch.Tensor,
-        state_width: int,
-        positions: torch.Tensor,
-        rotary_emb: Any,
-        attn_metadata: dict[str, Any],
-        pdl_kwargs: dict,
-    ) -> None:
-        owner = core.owner_of(self)
-        region = owner._dsv4_current_region() if owner is not None else None
-        k_cache_layer = self._static_forward_context[self.k_cache_prefix]
-        kv_cache = k_cache_layer.kv_cache
-        slot_mapping = state_metadata.slot_mapping
-        num_actual = slot_mapping.shape[0]
-        if (
-            not region
-            or self.compress_ratio != 128
-            or self.head_dim != 512
-            or kv_cache.dtype != torch.uint8
-            or num_actual > region.num_tokens
-        ):
-            if region and self.compress_ratio == 128 and positions.numel():
-                # Served, but a layout (plain-row cache) or a size the scratch
-                # lease does not cover: vLLM's wrapper allocates its scratch.
-                owner._workspace.count_fallback(owner.prefix, "compressor")
-            super()._compress_norm_rope_store(
-                state_metadata, state_cache, state_width, positions, rotary_emb,
-                attn_metadata, pdl_kwargs,
-            )
-            return
-        # vLLM's SparseAttnCompressorCuteDSL.__call__, C128 fp8_ds_mla branch.
-        if positions.numel() == 0:
-            return
-        if kv_cache.ndim != 3:
-            raise ValueError(
-                "CuTe DSL sparse-attn compressor expects the real DeepSeek V4 "
-                f"3D kv_cache layout, got ndim={kv_cache.ndim}.",
-            )
-        kernels = owner._dsv4_kernels
-        block_size = state_metadata.block_size
-        state_block_size = kernels.c128_state_block_size()
-        if block_size != state_block_size:
-            raise ValueError(
-                "CuTe DSL C128 sparse-attn compressor requires state-cache "
-                f"block_size={state_block_size}, got {block_size}."
-            )
-        k_cache_metadata = attn_metadata[self.k_cache_prefix]
-        lease = region.lease("compressor")
-        compressed_kv = lease["scratch"][:num_actual]
-        kernels.c128_compress(
-            state_cache=state_cache,
-            num_actual=num_actual,
-            token_to_req_indices=state_metadata.token_to_req_indices,
-            positions=positions,
-            slot_mapping=slot_mapping,
-            block_table=state_metadata.block_table,
-            head_dim=self.head_dim,
-            compressed_kv=compressed_kv,
-        )
-        kernels.c128_store(
-            compressed_kv=compressed_kv,
-            positions=positions,
-            slot_mapping=slot_mapping,
-            rms_norm_weight=self.norm.weight,
-            rms_norm_eps=self.rms_norm_eps,
-            cos_sin_cache=rotary_emb.cos_sin_cache,
-            kv_cache=kv_cache,
-            kv_slot_mapping=k_cache_metadata.slot_mapping,
-            compress_ratio=self.compress_ratio,
-            head_dim=self.head_dim,
-            rope_head_dim=self.rope_head_dim,
-        )
-        # Producer and consumer share this stream: hand the slot back now.
-        region.release("compressor")
-
 
 # --- the layer ---------------------------------------------------------------------
 
 
-class DSV4FlashMLAAttention(DeepseekV4FlashMLAAttention):
-    """DeepSeek-V4 attention served by the plugin (CUDA build of vLLM 0.33 / 0.34)."""
+class DSV4FlashMLAAttention(DeepseekV4FlashMLAAttention, core.WorkspaceLayer):
+    """DeepSeek-V4 attention served by the plugin (CUDA build of vLLM 0.33 / 0.34);
+    the workspace bookkeeping is :class:`.core.WorkspaceLayer`'s."""
 
     # backend_cls / swa_backend_cls: vLLM's, inherited on purpose.
 
@@ -376,40 +130,15 @@ class DSV4FlashMLAAttention(DeepseekV4FlashMLAAttention):
         """Register this layer with ``workspace`` and wire its indexer and
         C128 compressor to it (``__init__`` does this; tests call it on
         layers built without a ``VllmConfig``)."""
-        self._workspace = workspace
         self._dsv4_kernels = kernels if kernels is not None else VllmCudaKernels()
-        self._dsv4_regions = core.RegionHolder(workspace, self.prefix, always_lookup=True,
-                                           platform="CUDA")
         self._dsv4_logged = False
-        self._dsv4_memory_utilization: float | None = None
-        workspace.add_layer(self.prefix, self.compress_ratio)
+        # Every micro-batch id is asked of vLLM: one beyond the reservation is refused.
+        self._dsv4_attach_workspace(workspace, "CUDA", always_lookup=True)
         if self.indexer is not None:
-            if not isinstance(self.indexer, DSV4CudaIndexer):
-                self.indexer.__class__ = DSV4CudaIndexer
-            core.link_owner(self.indexer, self)
+            self._dsv4_adopt(self.indexer, DSV4CudaIndexer)
         if self.compressor is not None and self.compress_ratio == 128:
-            # Built directly as DeepseekCompressor (no factory hook in 0.33);
-            # the subclass adds no state.
-            self.compressor.__class__ = DSV4CudaCompressor
-            core.link_owner(self.compressor, self)
-
-    # --- region state (per micro-batch) --------------------------------------------
-
-    def _dsv4_current_region(self) -> eager.Region | eager.NoRegion:
-        return self._dsv4_regions.current()
-
-    def _dsv4_home_stream(self) -> Any:
-        return self._dsv4_regions.home()
-
-    def dsv4_region(self, num_tokens: int) -> contextlib.AbstractContextManager[eager.Region]:
-        """One forward's leases of this layer and micro-batch, released on
-        exit; the current stream is the region's home (default) stream."""
-        return self._dsv4_regions.open(num_tokens)
-
-    def _dsv4_reserve(self) -> None:
-        # `private` is refused here, with the bytes and the budget, when one
-        # set of buffers per layer does not fit next to vLLM's share of memory.
-        core.reserve_and_report(self._workspace, "CUDA", self._dsv4_memory_utilization)
+            # Built directly as DeepseekCompressor (no factory hook in 0.33).
+            self._dsv4_adopt(self.compressor, DSV4CudaCompressor)
 
     def process_weights_after_loading(self, act_dtype: torch.dtype | None = None) -> None:
         # vLLM 0.33's loader calls this with the model dtype, 0.34's
@@ -448,10 +177,6 @@ class DSV4FlashMLAAttention(DeepseekV4FlashMLAAttention):
             testing.record_layer(self, f"ratio{self.compress_ratio}", "vllm_cuda")
         testing.after_layer_forward(self, self._workspace)
         return out
-
-    @property
-    def indexer_kv_dtype(self) -> str:
-        return self._workspace.config.params["indexer_kv_dtype"]
 
     def _alloc_attn_out(self, num_tokens: int, hidden_states: torch.Tensor) -> Any:
         region = self._dsv4_current_region()
@@ -609,7 +334,245 @@ class DSV4FlashMLAAttention(DeepseekV4FlashMLAAttention):
             # (FlashMLA, this stream) is enqueued.
 
 
+# --- the indexer and the C128 compressor -------------------------------------------
+
+
+class DSV4CudaIndexer(DeepseekV4Indexer):
+    """vLLM's indexer with the quantized index q written into the region's
+    ``indexer_q`` lease by vLLM's kernel objects (on aux0 in vLLM's fan-out:
+    the lease is taken on the stream the call runs on, and the default
+    stream, where ``indexer_op`` reads it, is declared as consumer)."""
+
+    def _q_rope_quant(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        rotary_emb: torch.nn.Module,
+        indexer_weights: torch.Tensor,
+    ) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        owner = core.owner_of(self)
+        region = owner._dsv4_current_region() if owner is not None else None
+        if not region:
+            # Dummy/profile run: vLLM's code, nothing leased.
+            return super()._q_rope_quant(positions, q, rotary_emb, indexer_weights)
+        if positions.shape[0] != region.num_tokens or (
+            not self.use_fp4_kv and _platform_fp8_dtype() != torch.float8_e4m3fn
+        ):
+            # A shape or an FP8 dtype the workspace was not sized for: vLLM allocates.
+            owner._workspace.count_fallback(owner.prefix, "indexer_q")
+            return super()._q_rope_quant(positions, q, rotary_emb, indexer_weights)
+        lease = region.lease("indexer_q")
+        home = owner._dsv4_home_stream()
+        if home is not None:
+            lease.used_on(home)
+        kernels = owner._dsv4_kernels
+        common = dict(
+            positions=positions,
+            q=q,
+            cos_sin_cache=rotary_emb.cos_sin_cache,
+            weights=indexer_weights,
+            weights_softmax_scale=self.softmax_scale,
+            weights_head_scale=self.n_head**-0.5,
+        )
+        weights_out = lease["weights"]
+        if self.use_fp4_kv:
+            q_packed, q_scale = lease["q"], lease["scales"]
+            kernels.indexer_q_mxfp4(**common, q_packed=q_packed, q_scale=q_scale,
+                                    weights_out=weights_out)
+            # As vLLM's wrapper: 4 ue8m0 bytes per (token, head) as one int32.
+            return (q_packed, q_scale.view(torch.int32).squeeze(-1)), weights_out
+        q_fp8 = lease["q"]
+        kernels.indexer_q_fp8(**common, q_fp8=q_fp8, weights_out=weights_out)
+        return q_fp8, weights_out
+
+
+def _platform_fp8_dtype() -> torch.dtype:
+    from vllm.platforms import current_platform
+
+    try:
+        return current_platform.fp8_dtype()
+    except Exception:  # noqa: BLE001 - an unspecified platform (CPU CI)
+        return torch.float8_e4m3fn
+
+
+class DSV4CudaCompressor(DeepseekCompressor):
+    """vLLM's MLA compressor of a C128 layer with its fp32 scratch
+    (``compressed_kv``) leased from the workspace: vLLM's CuTe DSL wrapper
+    allocates it per call; its two kernels take it as an argument. C4 and
+    the plain-row (bf16/fp8 full-cache) layouts allocate nothing here or have
+    no scratch argument, and run vLLM's code unchanged."""
+
+    def _compress_norm_rope_store(
+        self,
+        state_metadata: Any,
+        state_cache: torch.Tensor,
+        state_width: int,
+        positions: torch.Tensor,
+        rotary_emb: Any,
+        attn_metadata: dict[str, Any],
+        pdl_kwargs: dict,
+    ) -> None:
+        owner = core.owner_of(self)
+        region = owner._dsv4_current_region() if owner is not None else None
+        k_cache_layer = self._static_forward_context[self.k_cache_prefix]
+        kv_cache = k_cache_layer.kv_cache
+        slot_mapping = state_metadata.slot_mapping
+        num_actual = slot_mapping.shape[0]
+        if (
+            not region
+            or self.compress_ratio != 128
+            or self.head_dim != 512
+            or kv_cache.dtype != torch.uint8
+            or num_actual > region.num_tokens
+        ):
+            if region and self.compress_ratio == 128 and positions.numel():
+                # Served, but a layout (plain-row cache) or a size the scratch
+                # lease does not cover: vLLM's wrapper allocates its scratch.
+                owner._workspace.count_fallback(owner.prefix, "compressor")
+            super()._compress_norm_rope_store(
+                state_metadata, state_cache, state_width, positions, rotary_emb,
+                attn_metadata, pdl_kwargs,
+            )
+            return
+        # vLLM's SparseAttnCompressorCuteDSL.__call__, C128 fp8_ds_mla branch.
+        if positions.numel() == 0:
+            return
+        if kv_cache.ndim != 3:
+            raise ValueError(
+                "CuTe DSL sparse-attn compressor expects the real DeepSeek V4 "
+                f"3D kv_cache layout, got ndim={kv_cache.ndim}.",
+            )
+        kernels = owner._dsv4_kernels
+        block_size = state_metadata.block_size
+        state_block_size = kernels.c128_state_block_size()
+        if block_size != state_block_size:
+            raise ValueError(
+                "CuTe DSL C128 sparse-attn compressor requires state-cache "
+                f"block_size={state_block_size}, got {block_size}."
+            )
+        k_cache_metadata = attn_metadata[self.k_cache_prefix]
+        lease = region.lease("compressor")
+        compressed_kv = lease["scratch"][:num_actual]
+        kernels.c128_compress(
+            state_cache=state_cache,
+            num_actual=num_actual,
+            token_to_req_indices=state_metadata.token_to_req_indices,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            block_table=state_metadata.block_table,
+            head_dim=self.head_dim,
+            compressed_kv=compressed_kv,
+        )
+        kernels.c128_store(
+            compressed_kv=compressed_kv,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            rms_norm_weight=self.norm.weight,
+            rms_norm_eps=self.rms_norm_eps,
+            cos_sin_cache=rotary_emb.cos_sin_cache,
+            kv_cache=kv_cache,
+            kv_slot_mapping=k_cache_metadata.slot_mapping,
+            compress_ratio=self.compress_ratio,
+            head_dim=self.head_dim,
+            rope_head_dim=self.rope_head_dim,
+        )
+        # Producer and consumer share this stream: hand the slot back now.
+        region.release("compressor")
+
+
+# --- workspace ---------------------------------------------------------------------
+
+
+def _graph_safe_streams(device: torch.device) -> Any:
+    return GraphSafeCudaStreamBackend(device) if device.type == "cuda" else None
+
+
+def workspace_manager_for(
+    vllm_config: Any,
+    layer: DSV4FlashMLAAttention,
+    model_key: object,
+) -> WorkspaceManager:
+    """The workspace of one model (main model, MTP drafter or DSpark draft:
+    each has its own aux streams and top-k buffer, ``model_key``), created by
+    its first attention layer (:func:`.core.manager_for`, graph-safe CUDA
+    streams); reserved when the layers' weights are loaded."""
+    return core.manager_for(vllm_config, layer, "cuda", model_key,
+                            streams=_graph_safe_streams)
+
+
 # --- checks and the factory ----------------------------------------------------------
+
+
+# The vLLM minor versions this module was read against.
+SUPPORTED_VLLM: tuple[tuple[int, int], ...] = ((0, 33), (0, 34))
+
+# The drift table: every vLLM symbol this layer depends on, one entry each,
+# "module:qualname" -> (roles, {vLLM minor: fingerprint}); checked by
+# layer_cls() (vllm_compat/fingerprints.py: the roles, the normalisation, the
+# messages). Roles: "copied" (an override here repeats the body with only the
+# output buffers and the kernel indirection changed, or relies on what it
+# calls), "fenced" (vLLM control flow the workspace fences' soundness rests on,
+# not repeated: the aux-stream fork/join that orders every hand-over at graph
+# replay, the eager break and the breakable capture, the compressor's stream
+# choice and the parallel input projections; see docs/workspace.md),
+# "decorated" (vLLM decorates it with eager_break_during_capture; checked on
+# DeepseekV4FlashMLAAttention), "source" (read from the source text: the
+# module imports cutlass). None: absent in that minor (checked). Copying one
+# more vLLM body = one more entry, with a fingerprint per supported minor
+# (`python -m vllm_dsv4_backend.vllm_compat.fingerprints --layer cuda` prints
+# them). Keep it a literal: tools/cuda_graph/build_stub.py reads it from this
+# file's text (it cuts the "copied"/"fenced" bodies of the modules it stubs).
+VLLM_DRIFT: dict[str, tuple[str, dict[str, str | None]]] = {
+    # forward() wraps it: relies on it calling _alloc_attn_out and _o_proj.
+    # 0.34: `_prepare_and_attn_fn(` -> `_prepare_and_attn(`.
+    "vllm.models.deepseek_v4.attention:DeepseekV4Attention.forward":
+        ("copied", {"0.33": "f6cb1b89b5a9524e", "0.34": "f3dd00fb7c177bbb"}),
+    "vllm.models.deepseek_v4.attention:DeepseekV4Attention._alloc_attn_out":
+        ("copied", {"0.33": "849d7b8129de8176", "0.34": "849d7b8129de8176"}),
+    "vllm.models.deepseek_v4.attention:DeepseekV4Attention._sparse_indexer_and_attn":
+        ("copied decorated", {"0.33": "6cbd97b346291a0e", "0.34": "6cbd97b346291a0e"}),
+    "vllm.models.deepseek_v4.attention:DeepseekV4Attention._prepare_and_attn":
+        ("copied", {"0.33": "286b9609633989d6", "0.34": "286b9609633989d6"}),
+    "vllm.models.deepseek_v4.attention:DeepseekV4Indexer._q_rope_quant":
+        ("copied", {"0.33": "fb2555cb2fb4264a", "0.34": "fb2555cb2fb4264a"}),
+    # 0.34: `_fill_short_context_topk_indices` made public.
+    "vllm.models.deepseek_v4.attention:DeepseekV4Indexer.forward":
+        ("copied", {"0.33": "5107191d0d64dabc", "0.34": "67606356967df910"}),
+    # 0.34: its CPU branch imports `vllm._cpu_ops`.
+    "vllm.models.deepseek_v4.common.ops.fused_indexer_q:fused_indexer_q_rope_quant":
+        ("copied", {"0.33": "ba22a863327681be", "0.34": "351c53c1351daaae"}),
+    "vllm.models.deepseek_v4.common.ops.cache_utils:compute_global_topk_indices_and_lens":
+        ("copied", {"0.33": "d1d3086ee9a8f9d2", "0.34": "d1d3086ee9a8f9d2"}),
+    "vllm.models.deepseek_v4.compressor:DeepseekCompressor._compress_norm_rope_store":
+        ("copied", {"0.33": "45873ded08c4b0e9", "0.34": "45873ded08c4b0e9"}),
+    "vllm.models.deepseek_v4.nvidia.flashmla:DeepseekV4FlashMLAAttention._forward_decode":
+        ("copied", {"0.33": "6caed9c89e317811", "0.34": "6caed9c89e317811"}),
+    "vllm.models.deepseek_v4.nvidia.flashmla:DeepseekV4FlashMLAAttention.forward_mqa":
+        ("copied", {"0.33": "6b62ae5fa919f811", "0.34": "6b62ae5fa919f811"}),
+    # DSV4CudaCompressor._compress_norm_rope_store repeats its C128 branch (the
+    # file is byte-identical in 0.33.0 and 0.34.0).
+    "vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl:"
+    "SparseAttnCompressorCuteDSL.__call__":
+        ("copied source", {"0.33": "1aed2b6b14e57d54", "0.34": "1aed2b6b14e57d54"}),
+    # --- the control flow the fences rely on ---
+    "vllm.utils.multi_stream_utils:execute_in_parallel":
+        ("fenced", {"0.33": "2640fdf87dd37260", "0.34": "2640fdf87dd37260"}),
+    "vllm.utils.multi_stream_utils:maybe_execute_in_parallel":
+        ("fenced", {"0.33": "73fdf282243c4653", "0.34": "73fdf282243c4653"}),
+    "vllm.compilation.breakable_cudagraph:eager_break_during_capture":
+        ("fenced", {"0.33": "2c704948c5b1c76d", "0.34": "2c704948c5b1c76d"}),
+    "vllm.compilation.breakable_cudagraph:BreakableCUDAGraphCapture":
+        ("fenced", {"0.33": "8269becd5503697e", "0.34": "8269becd5503697e"}),
+    "vllm.models.deepseek_v4.compressor:DeepseekCompressor.forward":
+        ("fenced", {"0.33": "2d960f098ef54037", "0.34": "2d960f098ef54037"}),
+    # 0.34: the compressors' `torch.mm(out_dtype=f32)` became their
+    # `fused_wkv_wgate` module, same streams.
+    "vllm.models.deepseek_v4.attention:DeepseekV4Attention._run_parallel_input_projections":
+        ("fenced", {"0.33": "c12534fd255ef740", "0.34": "5cbce5f307abc0fc"}),
+    # MRV1's eager path, removed in 0.34.
+    "vllm.models.deepseek_v4.attention:DeepseekV4Attention._prepare_and_attn_eager":
+        ("fenced decorated", {"0.33": "9fef557e90c02951", "0.34": None}),
+}
 
 
 def check_kernel_setting() -> None:
