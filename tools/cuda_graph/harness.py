@@ -86,6 +86,8 @@ def default_modes(version: str, device: torch.device,
             continue
         if m.mrv1 and not version.startswith("0.33."):
             continue  # MRV1 (_prepare_and_attn_eager) is 0.33's only
+        if not extended and not any(version.startswith(v + ".") for v in m.versions):
+            continue
         if m.where == "cuda" and device.type != "cuda":
             continue
         out.append(m.name)
@@ -173,6 +175,8 @@ def run_all(modes: list[str] | None = None, steps: int = 3, device: str | None =
         for impl in impls:
             if mode.policy != "shared" and impl == "vllm":
                 continue  # a workspace policy: vLLM's layer has none
+            if impl == "vllm" and not mode.vllm_layer and not extended:
+                continue  # its calls are another mode's (Mode.vllm_layer)
             t_mode = time.time()
             try:
                 res, cmp = _run_seeds(mode, impl, seed, steps, cov, layers,
@@ -404,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--where", default="cpu,sim,cuda",
                     help="default modes of these kinds: cpu, sim (emulated CUDA), cuda")
     ap.add_argument("--extended", action="store_true",
-                    help="also the extended modes (more seeds, the debug serving schedule)")
+                    help="also the extended modes (more orders and seeds, the debug serving "
+                    "schedule), every mode on every vLLM version, vLLM's layer in every mode")
     ap.add_argument("--layers", help="the serving modes' layer pattern (default: each "
                     "mode's; 'flash': DeepSeek-V4-Flash's 43 layers)")
     args = ap.parse_args(argv)

@@ -362,6 +362,14 @@ class Mode:
     indexer: str = "fp8"
     seeds: int = 1  # emulator orders tried (``random``: one run per seed)
     extended: bool = False  # only when named (--modes) or asked for (--extended)
+    # The vLLM minors whose default run includes the mode (--extended: every one). The
+    # plugin's code is the same under both; 0.33 keeps the modes its own control flow
+    # changes (MRV1, the fork/join, capture and the served schedule) in CI time.
+    versions: tuple[str, ...] = ("0.33", "0.34")
+    # vLLM's own layer runs the mode too by default (its kernel calls compared, its
+    # races counted); False for an order or debug variant of a mode that already
+    # compares them: vLLM's layer has no workspace, so its calls are that mode's.
+    vllm_layer: bool = True
 
     def ratios(self, layers: str | None = None) -> tuple[int, ...]:
         r = pattern(layers or self.layers)
@@ -373,32 +381,39 @@ class Mode:
 
 
 STAGE = (3, 4, 5, 6)
+NEWEST = ("0.34",)
 MODES = (
     Mode("eager", "cpu"),
     Mode("private", "cpu", policy="private"),
     Mode("mrv1", "cpu", mrv1=True),
     Mode("sim-eager", "sim", dbo=True),
-    Mode("sim-eager-lazy", "sim", order="lazy", dbo=True),
-    Mode("sim-eager-random", "sim", order="random", dbo=True),
-    Mode("sim-eager-yield", "sim", order="lazy", dbo=True, yield_before_o_proj=True),
-    Mode("sim-eager-debug", "sim", order="lazy", dbo=True, debug=True),
-    Mode("sim-eager-cutedsl", "sim", order="lazy", dbo=True, cutedsl=True),
-    Mode("sim-private", "sim", policy="private", order="lazy", dbo=True),
+    Mode("sim-eager-lazy", "sim", order="lazy", dbo=True, extended=True),
+    Mode("sim-eager-random", "sim", order="random", dbo=True, extended=True),
+    Mode("sim-eager-yield", "sim", order="lazy", dbo=True, yield_before_o_proj=True,
+         vllm_layer=False),
+    Mode("sim-eager-debug", "sim", order="lazy", dbo=True, debug=True, versions=NEWEST,
+         vllm_layer=False),
+    Mode("sim-eager-cutedsl", "sim", order="lazy", dbo=True, cutedsl=True, versions=NEWEST),
+    Mode("sim-private", "sim", policy="private", order="lazy", dbo=True, extended=True),
     # ``off``: every lease a fresh block of the caching-allocator model, the
     # consumer streams declared with record_stream (allocator.py).
-    Mode("sim-off", "sim", policy="off", order="lazy", dbo=True),
-    Mode("sim-off-random", "sim", policy="off", order="random", dbo=True),
+    Mode("sim-off", "sim", policy="off", order="lazy", dbo=True, versions=NEWEST),
+    Mode("sim-off-random", "sim", policy="off", order="random", dbo=True, extended=True),
     Mode("sim-piecewise", "sim", run="piecewise", order="lazy"),
-    Mode("sim-piecewise-debug", "sim", run="piecewise", order="lazy", debug=True),
-    Mode("sim-piecewise-gemm0", "sim", run="piecewise", order="lazy", gemm0=True),
-    Mode("sim-piecewise-mrv1", "sim", run="piecewise", order="lazy", mrv1=True),
+    Mode("sim-piecewise-debug", "sim", run="piecewise", order="lazy", debug=True,
+         versions=NEWEST, vllm_layer=False),
+    Mode("sim-piecewise-gemm0", "sim", run="piecewise", order="lazy", gemm0=True,
+         versions=NEWEST),
+    Mode("sim-piecewise-mrv1", "sim", run="piecewise", order="lazy", mrv1=True,
+         extended=True),
     Mode("sim-full", "sim", run="full", order="lazy", dbo=True),
-    Mode("sim-stage", "sim", order="lazy", dbo=True, stage=STAGE),
+    Mode("sim-stage", "sim", order="lazy", dbo=True, stage=STAGE, versions=NEWEST,
+         vllm_layer=False),
     # A served process (serve.py): FULL / PIECEWISE / eager steps and micro-batches
     # on and off interleaved over one workspace and one graph pool.
     Mode("sim-serve", "sim", run="serve", order="lazy", layers="ci"),
     Mode("sim-serve-mxfp4", "sim", run="serve", order="random", layers="ci",
-         indexer="mxfp4"),
+         indexer="mxfp4", versions=NEWEST),
     Mode("sim-serve-random", "sim", run="serve", order="random", layers="ci", seeds=3,
          extended=True),
     Mode("sim-serve-debug", "sim", run="serve", order="lazy", layers="ci", debug=True,
