@@ -304,8 +304,8 @@ class RegionHolder:
     only): ``on_step`` is the layer's own work at that moment.
     """
 
-    __slots__ = ("_counts_steps", "_homes", "_log_every", "_lookup", "_on_step", "_publisher",
-                 "_regions", "_seen", "layer_name", "platform", "workspace")
+    __slots__ = ("_counts_steps", "_homes", "_log_every", "_lookup", "_no_region", "_on_step",
+                 "_publisher", "_regions", "_seen", "layer_name", "platform", "workspace")
 
     def __init__(
         self, workspace: WorkspaceManager, layer_name: str, *, always_lookup: bool = False,
@@ -323,6 +323,7 @@ class RegionHolder:
         self._seen = 0  # model steps begun (the first layer's holder only)
         self._lookup = always_lookup or workspace.config.num_ubatches > 1
         self._regions: dict[int, eager.Region] = {}
+        self._no_region: dict[int, eager.NoRegion] = {}
         self._homes: dict[int, Any] = {}
 
     def _ubatch(self) -> int:
@@ -333,7 +334,13 @@ class RegionHolder:
         :class:`~vllm_dsv4_backend.eager.NoRegion` outside one)."""
         ubatch = self._ubatch()
         region = self._regions.get(ubatch) if self._regions else None
-        return region if region is not None else eager.NoRegion(self.layer_name, ubatch)
+        if region is not None:
+            return region
+        # One per micro-batch, built once: a piecewise replay asks on every step.
+        none = self._no_region.get(ubatch)
+        if none is None:
+            none = self._no_region[ubatch] = eager.NoRegion(self.layer_name, ubatch)
+        return none
 
     def home(self) -> Any:
         """The stream the current micro-batch's region was opened on."""
