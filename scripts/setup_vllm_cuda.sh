@@ -32,24 +32,15 @@ VENV=$ROOT/.venv-vllm$TAG
 PY=${PYTHON:-python3}
 PINS=scripts/vllm$TAG-cpu-pins.txt
 STAMP=$VENV/.dsv4-setup-stamp
-want=$(cat scripts/setup_vllm_cuda.sh "$PINS" pyproject.toml | sha256sum | cut -c1-16)
 L="[setup-$MINOR]"
 
 probe="import vllm, torch, vllm_dsv4_backend, pytest
 assert vllm.__version__.startswith('$MINOR.'), vllm.__version__
 import vllm.models.deepseek_v4.nvidia.model"
 
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] \
-    && VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -c "$probe" 2>/dev/null; then
-  echo "$L $VENV is up to date"
-  exit 0
-fi
-
-t0=$(date +%s)
-if [ ! -x "$VENV/bin/python" ]; then
-  echo "$L creating $VENV"
-  "$PY" -m venv "$VENV"
-fi
+source scripts/setup_stamp.sh
+setup_begin "$L" scripts/setup_vllm_cuda.sh "$PINS" pyproject.toml -- \
+  env VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -c "$probe"
 PIP_CMD="$VENV/bin/python -m pip --disable-pip-version-check"
 # pip, without the per-package notes about this machine's local index folders.
 PIP() {
@@ -82,5 +73,4 @@ PIP install -q "pytest>=8" -c "$PINS"
 VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -c "$probe
 print('$L vllm', vllm.__version__, '| torch', torch.__version__,
       '| cuda available:', torch.cuda.is_available())"
-echo "$want" > "$STAMP"
-echo "$L done in $(( $(date +%s) - t0 )) s"
+setup_end "$L"
