@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
+from tests.support.families import small_workspace_config
 from vllm_dsv4_backend import envs, testing
 from vllm_dsv4_backend.layer.core import make_workspace
-from vllm_dsv4_backend.layer.plan import Dims, build_workspace_config
 from vllm_dsv4_backend.workspace import POLICIES, WorkspaceConfig, WorkspaceManager
 
 PACKAGE = Path(__file__).resolve().parents[2] / "vllm_dsv4_backend"
@@ -39,10 +39,8 @@ PATHS = {"VLLM_DSV4_MARKER_DIR", "VLLM_DSV4_METRICS_DIR"}
 
 
 def _config() -> WorkspaceConfig:
-    dims = Dims(num_local_heads=4, padded_q_heads=8, head_dim=64, index_n_heads=4,
-                index_head_dim=128, index_topk=16)
-    return build_workspace_config(dims, max_num_batched_tokens=8, indexer_kv_dtype="fp8",
-                                  compress_ratios=(0, 4))
+    return small_workspace_config(heads=4, head_dim=64, index_topk=16, tokens=8, indexer="fp8",
+                                  ratios=(0, 4))
 
 
 def _sink_layer() -> Any:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.families import FAMILIES
+from tests.support.families import FAMILIES, small_workspace_config
 from vllm_dsv4_backend.layer.core import make_workspace
 from vllm_dsv4_backend.layer.plan import (
     DSV4_FLASH_HF_CONFIG,
@@ -317,11 +317,9 @@ def small(
     compress_ratios: tuple[int, ...] = (0, 4, 128, 4),
     num_ubatches: int = 1,
 ) -> WorkspaceConfig:
-    dims = Dims(num_local_heads=4, padded_q_heads=8, head_dim=64, index_n_heads=4,
-                index_head_dim=128, index_topk=16)
-    return build_workspace_config(dims, max_num_batched_tokens=tokens, indexer_kv_dtype=indexer,
-                                  plan=EVERY_FAMILY_PLAN, num_ubatches=num_ubatches,
-                                  compress_ratios=compress_ratios)
+    return small_workspace_config(heads=4, head_dim=64, index_topk=16, tokens=tokens,
+                                  indexer=indexer, plan=EVERY_FAMILY_PLAN,
+                                  num_ubatches=num_ubatches, ratios=compress_ratios)
 
 
 @pytest.mark.parametrize("policy", ["shared", "private", "off"])

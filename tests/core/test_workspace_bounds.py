@@ -26,11 +26,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.support.families import FAMILIES
+from tests.support.families import FAMILIES, small_workspace_config
 from vllm_dsv4_backend import eager
 from vllm_dsv4_backend.layer.plan import (
     DSV4_FLASH_HF_CONFIG,
-    Dims,
     build_workspace_config,
     dims_from_hf_config,
 )
@@ -67,10 +66,9 @@ def plan(q: tuple[str, ...] = ("q",)) -> dict[str, dict[str, tuple[str, ...]]]:
 def config(
     dtype: str = "fp8", ubatches: int = 1, tokens: int = MNBT, q: tuple[str, ...] = ("q",)
 ) -> WorkspaceConfig:
-    dims = Dims(num_local_heads=4, padded_q_heads=8, head_dim=64, index_n_heads=4,
-                index_head_dim=64, index_topk=16)
-    return build_workspace_config(dims, max_num_batched_tokens=tokens, indexer_kv_dtype=dtype,
-                                  plan=plan(q), num_ubatches=ubatches, compress_ratios=RATIOS)
+    return small_workspace_config(heads=4, head_dim=64, index_head_dim=64, index_topk=16,
+                                  tokens=tokens, indexer=dtype, plan=plan(q),
+                                  num_ubatches=ubatches, ratios=RATIOS)
 
 
 def manager(

@@ -14,7 +14,7 @@ Import as ``from tests.support.<module> import ...`` (the repository root is on
   of vLLM's CPU op conventions on it;
 - :mod:`.mod4_sweep`: the prompt-length sweep (world, oracles, implementations);
 - :mod:`.bi_world`: the batch-invariance C4-layer world, its work and schedules;
-- :mod:`.families`: the buffer families, derived from the lease plan;
+- :mod:`.families`: the buffer families, derived from the lease plan, and small configs;
 - :mod:`.threads`: one intra-op thread (context manager and module fixture);
 - :mod:`.stream_schedule`: the simulated-stream workspace program and #49236's layout;
 - :mod:`.vllm_helpers`: helpers of the tests against a real vLLM (tiny engine, real C++

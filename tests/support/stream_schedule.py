@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import random
 
-from tests.support.families import AUX_FAMILIES
-from vllm_dsv4_backend.layer.plan import Dims, build_workspace_config
+from tests.support.families import AUX_FAMILIES, small_workspace_config
 from vllm_dsv4_backend.testing.schedule import (
     STREAM_ROLES,
     WIDE_PLAN,
@@ -40,11 +39,9 @@ def small_config(
     # Flash's layer types and family structure with small dims, so hundreds
     # of schedules run in seconds; every family of vLLM's wide eager region
     # (WIDE_PLAN: C4's compressor scratch too, the q family as the output).
-    dims = Dims(num_local_heads=2, padded_q_heads=4, head_dim=16, index_n_heads=2,
-                index_head_dim=128, index_topk=8)
-    return build_workspace_config(dims, max_num_batched_tokens=T_MAX, indexer_kv_dtype=indexer,
-                                  plan=WIDE_PLAN, num_ubatches=num_ubatches,
-                                  compress_ratios=ratios)
+    return small_workspace_config(heads=2, head_dim=16, index_topk=8, tokens=T_MAX,
+                                  indexer=indexer, plan=WIDE_PLAN, num_ubatches=num_ubatches,
+                                  ratios=ratios)
 
 
 def sim_streams(num_ubatches: int = 2) -> tuple[SimStreamBackend, list[dict[str, object]]]:
