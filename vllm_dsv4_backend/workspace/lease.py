@@ -11,6 +11,7 @@ name here.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -63,40 +64,22 @@ def _poison(views: Mapping[str, torch.Tensor]) -> None:
             v.fill_(torch.iinfo(v.dtype).min)
 
 
+@dataclass(eq=False, repr=False, slots=True)
 class _Slot:
-    __slots__ = (
-        "ubatch",
-        "family",
-        "index",
-        "offset",
-        "nbytes",
-        "buffers",
-        "views",
-        "holder",
-        "last_streams",
-        "events",
-    )
+    """One reserved region: ``nbytes`` at ``offset`` of micro-batch ``ubatch``'s
+    storage, the ``index``-th of ``family``, held by one lease at a time."""
 
-    def __init__(
-        self,
-        ubatch: int,
-        family: str,
-        index: int,
-        offset: int,
-        nbytes: int,
-        buffers: tuple[tuple[BufferSpec, int], ...],
-    ) -> None:
-        self.ubatch = ubatch
-        self.family = family
-        self.index = index
-        self.offset = offset
-        self.nbytes = nbytes
-        self.buffers = buffers  # (spec, absolute byte offset in the storage)
-        # T -> (views of the first T rows, their bytes); built once per T.
-        self.views: dict[int, tuple[Mapping[str, torch.Tensor], int]] = {}
-        self.holder: Lease | None = None
-        self.last_streams: tuple[Any, ...] = ()
-        self.events: dict[Any, Any] = {}
+    ubatch: int
+    family: str
+    index: int
+    offset: int
+    nbytes: int
+    buffers: tuple[tuple[BufferSpec, int], ...]  # (spec, absolute byte offset in the storage)
+    # T -> (views of the first T rows, their bytes); built once per T.
+    views: dict[int, tuple[Mapping[str, torch.Tensor], int]] = field(default_factory=dict)
+    holder: Lease | None = None
+    last_streams: tuple[Any, ...] = ()
+    events: dict[Any, Any] = field(default_factory=dict)
 
 
 class Lease:
