@@ -407,6 +407,12 @@ class _Softmax:
 # --------------------------------------------------------------------------------------------
 # decode
 # --------------------------------------------------------------------------------------------
+#: One index list of a decode call: ``(cache, layout, indices, lengths, width, name)``.
+_IndexList = tuple[
+    torch.Tensor, fp8_ds_mla.CacheLayout, torch.Tensor, torch.Tensor | None, int, str
+]
+
+
 def sparse_mla_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -473,12 +479,13 @@ def sparse_mla_decode(
         lse_out = torch.empty(b, h, s_q, dtype=torch.float32, device=dev)
     if b * s_q == 0:
         return out, lse_out if need_lse else None
-    if extra_k_cache is None:
-        n2 = 0
+    parts: list[_IndexList] = [(k_cache, dims.layout, indices, topk_length, n1, "indices")]
+    if n2 > 0:
+        parts.append((extra_k_cache, dims.extra_layout, extra_indices, extra_topk_length, n2,
+                      "extra_indices"))
     if b * s_q * (n1 + n2) >= DEDUP_MIN_ENTRIES:
         deduped = _decode_deduplicated(
-            q, k_cache, indices, topk_length, attn_sink, dims, extra_k_cache, extra_indices,
-            extra_topk_length, out, lse_out if need_lse else None, budget_bytes,
+            q, parts, attn_sink, dims, out, lse_out if need_lse else None, budget_bytes
         )
         if deduped:
             return out, lse_out if need_lse else None
@@ -511,11 +518,6 @@ def sparse_mla_decode(
     sm, g, ids_buf, tmpb_buf, minmax, pos, lse_chunk = _carved(
         scratch, buf, ("decode", plan, h, need_lse), carve)
 
-    # (cache, layout, indices, lengths, name) per index list; groups per list.
-    parts = [(k_cache, dims.layout, indices, topk_length, "indices")]
-    if n2 > 0:
-        parts.append((extra_k_cache, dims.extra_layout, extra_indices, extra_topk_length,
-                      "extra_indices"))
     groups = _groups([(0, n1), (n1, n2)][: len(parts)])
     views = [p[1].gather_row_views(p[0]) for p in parts]
     bpc = rows_max // s_q  # batch entries per chunk
@@ -527,7 +529,7 @@ def sparse_mla_decode(
         sm.qt_v.view(nb, s_q, D, h).copy_(q[b0:b1].transpose(-1, -2))
         sm.qt_v.mul_(dims.softmax_scale)
         for gi, (p, c0, w) in enumerate(groups):
-            cache, layout, idx, lens, name = parts[p]
+            cache, layout, idx, lens, _, name = parts[p]
             p0 = c0 - (0 if p == 0 else n1)  # the group's first column within its list
             p1 = p0 + w
             idx_v = idx[b0:b1, :, p0:p1]
@@ -590,14 +592,9 @@ even when ``scratch`` is given. Decode steps stay far below this and allocate no
 
 def _decode_deduplicated(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    indices: torch.Tensor,
-    topk_length: torch.Tensor | None,
+    parts: list[_IndexList],
     attn_sink: torch.Tensor | None,
     dims: DecodeDims,
-    extra_k_cache: torch.Tensor | None,
-    extra_indices: torch.Tensor | None,
-    extra_topk_length: torch.Tensor | None,
     out: torch.Tensor,
     lse_out: torch.Tensor | None,
     budget_bytes: int,
@@ -616,11 +613,7 @@ def _decode_deduplicated(
     rows = b * s_q
     tables, local = [], []
     offset = 0
-    parts = [(k_cache, dims.layout, indices, topk_length, dims.topk)]
-    if extra_k_cache is not None and dims.extra_topk > 0:
-        parts.append((extra_k_cache, dims.extra_layout, extra_indices, extra_topk_length,
-                      dims.extra_topk))
-    for cache, layout, idx, lens, n in parts:
+    for cache, layout, idx, lens, n, _ in parts:
         ids = idx.reshape(b, s_q, n).to(torch.int64)
         invalid = ids == -1
         if lens is not None:
