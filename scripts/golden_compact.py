@@ -51,6 +51,20 @@ class OpLayout:
     rope: tuple[str, ...] = ()  # cos/sin tables read at the rows' positions
 
 
+def _compress_norm_rope_store(kv_fmt: str) -> OpLayout:
+    """The compressor's store ops (attention and indexer alike): state read at the
+    gathered slots, compressed entries written in ``kv_fmt`` at ``kv_slot_mapping``."""
+    return OpLayout(
+        {"gather_slots": 0, "positions": 0, "kv_slot_mapping": 0},
+        {},
+        (
+            CacheSpec("state_cache", ("gather_slots",), "dim1"),
+            CacheSpec("kv_cache_2d", ("kv_slot_mapping",), "kv_cache_block_size", True, kv_fmt),
+        ),
+        ("cos_sin_cache",),
+    )
+
+
 _T0 = {"return": 0}
 LAYOUT: dict[str, OpLayout] = {
     "convert_weight_packed": OpLayout(),
@@ -75,28 +89,8 @@ LAYOUT: dict[str, OpLayout] = {
         {},
         (CacheSpec("state_cache", ("slot_mapping",), "dim1", True, "state"),),
     ),
-    "compress_norm_rope_store_cpu": OpLayout(
-        {"gather_slots": 0, "positions": 0, "kv_slot_mapping": 0},
-        {},
-        (
-            CacheSpec("state_cache", ("gather_slots",), "dim1"),
-            CacheSpec(
-                "kv_cache_2d", ("kv_slot_mapping",), "kv_cache_block_size", True, "fp8_ds_mla"
-            ),
-        ),
-        ("cos_sin_cache",),
-    ),
-    "compress_norm_rope_store_indexer_cpu": OpLayout(
-        {"gather_slots": 0, "positions": 0, "kv_slot_mapping": 0},
-        {},
-        (
-            CacheSpec("state_cache", ("gather_slots",), "dim1"),
-            CacheSpec(
-                "kv_cache_2d", ("kv_slot_mapping",), "kv_cache_block_size", True, "indexer_fp8"
-            ),
-        ),
-        ("cos_sin_cache",),
-    ),
+    "compress_norm_rope_store_cpu": _compress_norm_rope_store("fp8_ds_mla"),
+    "compress_norm_rope_store_indexer_cpu": _compress_norm_rope_store("indexer_fp8"),
     "hc_pre_fused_cpu": OpLayout({"x": 0}, {"return_0": 0, "return_1": 0, "return_2": 0}),
     "hc_post_fused_cpu": OpLayout({"x": 0, "residual": 0, "post": 0, "comb": 0}, _T0),
     "hc_head_fused_cpu": OpLayout({"x": 0}, _T0),
