@@ -60,6 +60,14 @@ class TinyServer:
                 f"POST {path} -> HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}"
             ) from e
 
+    def complete(self, prompt: str, max_tokens: int, **extra: object) -> dict:
+        """A greedy completion of exactly ``max_tokens`` tokens (``ignore_eos``);
+        ``extra``: more request fields (``logprobs``...)."""
+        return self.post("/v1/completions", {
+            "model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0.0, "ignore_eos": True, **extra,
+        })  # fmt: skip
+
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
 

@@ -357,10 +357,7 @@ def test_plugin_ran_in_engine_core_and_worker(tiny_server):
 
 
 def test_dummy_init_marker_gives_informative_logprobs(tiny_server):
-    r = tiny_server.post("/v1/completions", {
-        "model": tiny_server.model, "prompt": "The quick brown fox", "max_tokens": 4,
-        "temperature": 0.0, "logprobs": 5, "ignore_eos": True,
-    })  # fmt: skip
+    r = tiny_server.complete("The quick brown fox", 4, logprobs=5)
     with open(os.path.join(ROOT, "configs/tiny-dsv4/config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     uniform = -math.log(vocab)

@@ -43,10 +43,7 @@ def test_worker_logs_live_workspace_counters(tiny_server):
     if tiny_server.attn_impl != "plugin":
         pytest.skip("vLLM's own layer has no workspace")
     for prompt in ("The quick brown fox", "DeepSeek-V4 attention leases"):
-        tiny_server.post("/v1/completions", {
-            "model": tiny_server.model, "prompt": prompt, "max_tokens": 12,
-            "temperature": 0.0, "ignore_eos": True,
-        })  # fmt: skip
+        tiny_server.complete(prompt, 12)
     deadline = time.monotonic() + 30
     while True:
         found = [(ln, m) for ln in tiny_server.log_text().splitlines()

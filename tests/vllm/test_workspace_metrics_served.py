@@ -47,10 +47,7 @@ def test_metrics_show_the_workspace_moving_under_load(tiny_server):
     steps0 = ws(before, "model_steps_total")
     assert list(steps0) == [rank], steps0  # one rank, one series: nothing per request
     for prompt in ("Metrics for the workspace", "DeepSeek-V4 under load, scraped"):
-        tiny_server.post("/v1/completions", {
-            "model": tiny_server.model, "prompt": prompt, "max_tokens": 8,
-            "temperature": 0.0, "ignore_eos": True,
-        })  # fmt: skip
+        tiny_server.complete(prompt, 8)
     deadline = time.monotonic() + 30
     while True:  # published after each step's last layer; the response may come first
         after, text = scrape(tiny_server.base_url)
