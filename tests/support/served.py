@@ -27,14 +27,11 @@ import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from tests.support import ROOT
 from tests.support.vllm_helpers import healthy
 from vllm_dsv4_backend import run as R
-
-if TYPE_CHECKING:
-    import aiohttp
+from vllm_dsv4_backend.bench.solo_identity import TOP_N, complete
 
 SERVE_CONFIG = Path(
     os.environ.get("DSV4_TEST_SERVE_CONFIG", ROOT / "configs/serve/tiny-dsv4-cpu.yaml")
@@ -57,7 +54,6 @@ REQUEST_TIMEOUT_S = 180
 # state: the other run's token then sits at a random rank, on average at least
 # ln(512) - 3.6 = 2.6 nats below the top pick (the mean log-probability over
 # the vocabulary is <= -ln 512 by Jensen; top picks are ~-3.6), far outside.
-TOP_N = 20  # logprobs per step (vLLM's default max_logprobs)
 TIE_MARGIN = 1.0  # a divergence is a tie if each pick is this close in the other run
 DRIFT_ATOL = 1.0  # top-1 logprob agreement before any divergence
 
@@ -97,33 +93,6 @@ def make_requests(model_dir: Path, seed: int = 0) -> list[dict]:
     ]
 
 
-async def _complete(session: aiohttp.ClientSession, url: str, model: str, req: dict) -> dict:
-    body = {
-        "model": model,
-        "prompt": req["prompt"],
-        "max_tokens": req["max_tokens"],
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "logprobs": TOP_N,
-        "return_token_ids": True,
-        "return_tokens_as_token_ids": True,  # top-N keyed "token_id:<id>", not text
-    }
-    async with session.post(f"{url}/v1/completions", json=body) as r:
-        text = await r.text()
-        if r.status != 200:
-            return {"error": f"HTTP {r.status}: {text[:300]}"}
-        choice = json.loads(text)["choices"][0]
-        lp = choice["logprobs"]
-        return {
-            "token_ids": choice.get("token_ids"),
-            "logprobs": lp["token_logprobs"],
-            "top": [
-                {int(k.split(":")[1]): v for k, v in step.items()} for step in lp["top_logprobs"]
-            ],
-            "finish_reason": choice["finish_reason"],
-        }
-
-
 async def run_all(url: str, model: str, reqs: list[dict], concurrency: int) -> list[dict]:
     """``reqs`` as greedy completions with top-N logprobs, at most ``concurrency`` in flight;
     a failed request is ``{"error": ...}``."""
@@ -137,7 +106,8 @@ async def run_all(url: str, model: str, reqs: list[dict], concurrency: int) -> l
         async def one(req: dict) -> dict:
             async with sem:
                 try:
-                    return await _complete(session, url, model, req)
+                    return await complete(session, url, model, req["prompt"],
+                                          req["max_tokens"])
                 except (TimeoutError, aiohttp.ClientError) as e:
                     return {"error": f"{type(e).__name__}: {e}"}
 

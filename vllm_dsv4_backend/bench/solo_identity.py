@@ -43,7 +43,7 @@ from vllm_dsv4_backend.bench import ab
 from vllm_dsv4_backend.bench.ab import SIDES
 
 SCHEMA = "vllm-dsv4-solo-identity/1"
-TOP_N = 20
+TOP_N = 20  # logprobs per step (vLLM's default max_logprobs)
 
 
 def make_prompts(model_dir: Path, n: int, seed: int = 0, max_words: int = 250) -> list[list[int]]:
@@ -54,11 +54,15 @@ def make_prompts(model_dir: Path, n: int, seed: int = 0, max_words: int = 250) -
     return [[rng.choice(ids) for _ in range(k)] for k in lengths[:n]]
 
 
-async def _complete(session: Any, url: str, model: str, prompt: list[int], tokens: int
-                    ) -> dict[str, Any]:
+async def complete(session: Any, url: str, model: str, prompt: list[int], tokens: int
+                   ) -> dict[str, Any]:
+    """``tokens`` greedy tokens (``ignore_eos``) after ``prompt`` with each step's top-N
+    logprobs (:data:`TOP_N`): ``token_ids``, ``logprobs`` (the picks'), ``top`` (token id
+    -> logprob per step) and ``finish_reason``; ``{"error": ...}`` on an HTTP error.
+    The served tests (``tests/support/served.py``) send theirs through it too."""
     body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0,
             "ignore_eos": True, "logprobs": TOP_N, "return_token_ids": True,
-            "return_tokens_as_token_ids": True}
+            "return_tokens_as_token_ids": True}  # top-N keyed "token_id:<id>", not text
     async with session.post(f"{url}/v1/completions", json=body) as r:
         text = await r.text()
         if r.status != 200:
@@ -67,7 +71,8 @@ async def _complete(session: Any, url: str, model: str, prompt: list[int], token
     lp = choice["logprobs"]
     return {"token_ids": choice.get("token_ids"), "logprobs": lp["token_logprobs"],
             "top": [{int(k.split(":")[1]): v for k, v in step.items()}
-                    for step in lp["top_logprobs"]]}
+                    for step in lp["top_logprobs"]],
+            "finish_reason": choice["finish_reason"]}
 
 
 async def _run_all(url: str, model: str, prompts: Sequence[list[int]], tokens: int,
@@ -76,7 +81,7 @@ async def _run_all(url: str, model: str, prompts: Sequence[list[int]], tokens: i
     async with ab.client_session() as session:
         async def one(p: list[int]) -> dict[str, Any]:
             async with sem:
-                return await _complete(session, url, model, p, tokens)
+                return await complete(session, url, model, p, tokens)
 
         if concurrency == 1:
             return [await one(p) for p in prompts]
