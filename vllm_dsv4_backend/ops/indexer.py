@@ -98,6 +98,33 @@ def _check(
         )
 
 
+def _check_quantized_q(
+    where: str,
+    name: str,
+    q: torch.Tensor | None,
+    q_scale: torch.Tensor | None,
+    lead: tuple[int | None, ...],
+    head_dim: int,
+    dtype: str,
+    device: torch.device,
+    fp8_scale_note: str,
+) -> None:
+    """An indexer q in the K cache's dtype: fp8 ``[*lead, head_dim]`` without a scale of
+    its own (``fp8_scale_note`` says where it went), or mxfp4 ``[*lead, head_dim / 2]``
+    packed uint8 with ``[*lead, head_dim / 32]`` uint8 block scales."""
+    if dtype == ic.FP8:
+        _check(where, name, q, (*lead, head_dim), (torch.float8_e4m3fn,), device)
+        if q_scale is not None:
+            raise ValueError(
+                f"{where}: argument '{name}_scale' expected None for fp8 ({fp8_scale_note}), "
+                f"got {_describe(q_scale)}"
+            )
+    else:
+        _check(where, name, q, (*lead, head_dim // 2), (torch.uint8,), device)
+        scale_shape = (*q.shape[:-1], head_dim // mxfp4.BLOCK_SIZE)  # type: ignore[union-attr]
+        _check(where, f"{name}_scale", q_scale, scale_shape, (torch.uint8,), device)
+
+
 _FLOAT_IN = (torch.bfloat16, torch.float32, torch.float16)
 _INT_IN = (torch.int32, torch.int64)
 
@@ -183,18 +210,8 @@ def indexer_q_rope_quant(
         )
     if out is not None:
         q_out, qs_out, w_out = out
-        if dtype == ic.FP8:
-            _check(where, "out.q", q_out, (t, h, d), (torch.float8_e4m3fn,), dev)
-            if qs_out is not None:
-                raise ValueError(
-                    f"{where}: argument 'out.q_scale' expected None for fp8 (the scale "
-                    f"is folded into weights), got {_describe(qs_out)}"
-                )
-        else:
-            _check(where, "out.q", q_out, (t, h, d // 2), (torch.uint8,), dev)
-            _check(
-                where, "out.q_scale", qs_out, (t, h, d // mxfp4.BLOCK_SIZE), (torch.uint8,), dev
-            )
+        _check_quantized_q(where, "out.q", q_out, qs_out, (t, h), d, dtype, dev,
+                           "the scale is folded into weights")
         _check(where, "out.weights", w_out, (t, h), (torch.float32,), dev)
     else:
         q_out = qs_out = w_out = None
@@ -328,21 +345,12 @@ def indexer_logits(
     values_v, scales_v = ic.block_views(k_cache, dtype, where)
     dev = k_cache.device
     head_dim = ic.HEAD_DIM
-    if dtype == ic.FP8:
-        _check(where, "q", q, (None, None, head_dim), (torch.float8_e4m3fn,), dev)
-        if q_scale is not None:
-            raise ValueError(
-                f"{where}: argument 'q_scale' expected None for fp8 (fold the q scale "
-                f"into weights), got {_describe(q_scale)}"
-            )
-    else:
-        _check(where, "q", q, (None, None, head_dim // 2), (torch.uint8,), dev)
-        t_, h_ = q.shape[0], q.shape[1]
-        if q_scale is not None and q_scale.dtype == torch.int32 and q_scale.dim() == 2:
-            q_scale = q_scale.contiguous().view(torch.uint8).view(t_, h_, -1)
-        _check(
-            where, "q_scale", q_scale, (t_, h_, head_dim // mxfp4.BLOCK_SIZE), (torch.uint8,), dev
-        )
+    if (dtype == ic.MXFP4 and q_scale is not None and q_scale.dtype == torch.int32
+            and q_scale.dim() == 2):
+        # vLLM's CPU ops pack a head's four block scales into one int32: the same bytes.
+        q_scale = q_scale.contiguous().unsqueeze(-1).view(torch.uint8)
+    _check_quantized_q(where, "q", q, q_scale, (None, None), head_dim, dtype, dev,
+                       "fold the q scale into weights")
     t, h = q.shape[0], q.shape[1]
     _check(where, "weights", weights, (t, h), (torch.float32,), dev)
     _check(where, "seq_lens", seq_lens, (t,), _INT_IN, dev)
