@@ -21,6 +21,7 @@ from tests.support.families import FAMILIES, small_workspace_config
 from vllm_dsv4_backend.layer.core import make_workspace
 from vllm_dsv4_backend.layer.plan import (
     DSV4_FLASH_HF_CONFIG,
+    EVERY_FAMILY_PLAN,
     LEASE_PLAN,
     Dims,
     build_workspace_config,
@@ -34,7 +35,7 @@ from vllm_dsv4_backend.layer.sizing import (
     memory_table,
     pool49236_bytes,
 )
-from vllm_dsv4_backend.testing.schedule import EVERY_FAMILY_PLAN, WIDE_PLAN
+from vllm_dsv4_backend.testing.schedule import WIDE_PLAN
 from vllm_dsv4_backend.workspace import (
     BufferSpec,
     FamilySpec,

@@ -21,11 +21,11 @@ from tests.support.families import AUX_FAMILIES, FAMILIES
 from tests.support.stream_schedule import Pool49236Layout
 from vllm_dsv4_backend.layer.plan import (
     DSV4_FLASH_HF_CONFIG,
+    EVERY_FAMILY_PLAN,
     build_workspace_config,
     dims_from_hf_config,
 )
 from vllm_dsv4_backend.testing.schedule import (
-    EVERY_FAMILY_PLAN,
     STREAM_ROLES,
     StampKernels,
     enqueue_dsv4_step,

@@ -58,11 +58,6 @@ WIDE_PLAN: dict[str, dict[str, tuple[str, ...]]] = {
            "topk": ("local", "global", "lens"), "compressor": ("scratch",)},
     "c128": {"q": ("out",), "compressor": ("scratch",)},
 }
-# Every family each layer kind can use and every view, the padded q as the q
-# family: what the sizing reserved before lease plans, now an explicit plan
-# (the workspace's bounds and view tests).
-EVERY_FAMILY_PLAN: dict[str, dict[str, tuple[str, ...]]] = {
-    kind: {**fams, "q": ("q",)} for kind, fams in WIDE_PLAN.items()}
 
 
 def as_int32_words(t: torch.Tensor) -> torch.Tensor:
