@@ -85,10 +85,22 @@ def _check(
     check_tensor(name, t, ndim=ndim, dtype=dtypes, device=device, min_rows=min_len)
 
 
+def _check_1d(device: torch.device, **tensors: torch.Tensor) -> None:
+    """:func:`_check` of each keyword argument (named as the port's argument, checked in
+    order): a 1-D integer tensor on ``device``."""
+    for name, t in tensors.items():
+        _check(name, t, ndim=1, device=device)
+
+
 def _check_int(name: str, value: int, *, minimum: int) -> int:
     if isinstance(value, torch.Tensor) or int(value) != value or value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
     return int(value)
+
+
+def _check_ints(minimum: int, **values: int) -> tuple[int, ...]:
+    """:func:`_check_int` of each keyword argument, in order; the values as ints."""
+    return tuple(_check_int(name, v, minimum=minimum) for name, v in values.items())
 
 
 def _tdiv(a: torch.Tensor, b: int | torch.Tensor) -> torch.Tensor:
@@ -218,14 +230,12 @@ def compressed_slot_mapping(
     out = compressed_slot_mapping
     _check("compressed_slot_mapping", out, ndim=1)
     dev = out.device
-    _check("slot_mapping", slot_mapping, ndim=1, device=dev)
-    _check("query_start_loc", query_start_loc, ndim=1, device=dev)
-    _check("seq_lens", seq_lens, ndim=1, device=dev)
+    _check_1d(dev, slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens)
     _check("block_table", block_table, ndim=2, device=dev)
-    block_size = _check_int("block_size", block_size, minimum=1)
-    ratio = _check_int("compress_ratio", compress_ratio, minimum=1)
-    world = _check_int("dcp_world_size", dcp_world_size, minimum=1)
-    ci = _check_int("cp_interleave", cp_interleave, minimum=1)
+    block_size, ratio, world, ci = _check_ints(
+        1, block_size=block_size, compress_ratio=compress_ratio, dcp_world_size=dcp_world_size,
+        cp_interleave=cp_interleave,
+    )
     num_reqs = block_table.shape[0]
     if query_start_loc.shape[0] < num_reqs + 1 or seq_lens.shape[0] < num_reqs:
         raise ValueError(
@@ -397,14 +407,11 @@ def _window_rows(
     window_size = _check_int("window_size", window_size, minimum=1)
     _check("swa_indices", swa_indices, ndim=(2, 3), dtypes=(torch.int32, torch.int64))
     dev = swa_indices.device
-    _check("swa_lens", swa_lens, ndim=1, device=dev)
-    _check("query_start_loc", query_start_loc, ndim=1, device=dev)
-    _check("seq_lens", seq_lens, ndim=1, device=dev)
-    _check("token_to_req_indices", token_to_req_indices, ndim=1, device=dev)
+    _check_1d(dev, swa_lens=swa_lens, query_start_loc=query_start_loc, seq_lens=seq_lens,
+              token_to_req_indices=token_to_req_indices)
     _check("is_valid_token", is_valid_token, ndim=1, device=dev, dtypes=(torch.bool,))
     _check("block_table", block_table, ndim=2, device=dev)
-    num_tokens = _check_int("num_tokens", num_tokens, minimum=0)
-    token_offset = _check_int("token_offset", token_offset, minimum=0)
+    num_tokens, token_offset = _check_ints(0, num_tokens=num_tokens, token_offset=token_offset)
     block_size = _check_int("block_size", block_size, minimum=1)
     index_width = _check_int("index_width", index_width, minimum=0)
     rows = swa_indices.view(swa_indices.shape[0], -1)
@@ -502,8 +509,7 @@ def swa_indices_and_lens(
     window_size = _check_int("window_size", window_size, minimum=1)
     if has_image:
         dev = swa_indices.device
-        _check("left_visible", left_visible, ndim=1, device=dev)
-        _check("right_visible", right_visible, ndim=1, device=dev)
+        _check_1d(dev, left_visible=left_visible, right_visible=right_visible)
     _check("replay_start", replay_start, ndim=1, device=swa_indices.device)
 
     def causal_window(window_size, tok, req, q_start, q_len, seq):
@@ -635,13 +641,14 @@ def build_c128a_topk_metadata(
         ("prefill_buffer", prefill_buffer),
     ):
         _check(name, t, ndim=2, device=dev)
-    _check("decode_lens_buffer", decode_lens_buffer, ndim=1, device=dev)
-    _check("token_to_req_indices", token_to_req_indices, ndim=1, device=dev)
+    _check_1d(dev, decode_lens_buffer=decode_lens_buffer,
+              token_to_req_indices=token_to_req_indices)
     _check("block_table", block_table, ndim=2, device=dev)
     _check("slot_mapping", slot_mapping, ndim=1, device=dev)
     ratio = _check_int("compress_ratio", compress_ratio, minimum=1)
-    width = _check_int("max_compressed_tokens", max_compressed_tokens, minimum=0)
-    n_dec = _check_int("num_decode_tokens", num_decode_tokens, minimum=0)
+    width, n_dec = _check_ints(
+        0, max_compressed_tokens=max_compressed_tokens, num_decode_tokens=num_decode_tokens
+    )
     block_size = _check_int("block_size", block_size, minimum=1)
     n_tok = positions.shape[0]
     if n_dec > n_tok:
