@@ -336,7 +336,7 @@ def make_prefill_case(seed: int, s_q: int, h: int, s_kv: int, topk: int, *,
 
 
 def check_prefill(q, kv, idx, sm_scale, sink, lens, out, ml, lse) -> None:
-    ro, rm, rl = sparse_prefill_ref(q, kv, idx, sm_scale, sink, lens)
+    ro, rm, rl = sparse_prefill_ref(q, kv, (idx, lens), sink, sm_scale)
     assert_flashmla_close(out, ro, name="out", **PREFILL_OUT_TOL)
     assert_flashmla_close(ml, rm, name="max_logits", **PREFILL_LSE_TOL)
     assert_flashmla_close(lse, rl, name="lse", **PREFILL_LSE_TOL)

@@ -177,16 +177,19 @@ def sparse_decode_ref(
 def sparse_prefill_ref(
     q: torch.Tensor,
     kv: torch.Tensor,
-    indices: torch.Tensor,
+    index_list: tuple[torch.Tensor, torch.Tensor | None],
+    attn_sink: torch.Tensor | None,
     sm_scale: float,
-    attn_sink: torch.Tensor | None = None,
-    topk_length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashMLA sparse prefill in float64 (indices ``< 0`` or ``>= s_kv`` invalid).
+
+    ``index_list``: ``(indices [s_q, 1, topk], topk_length [s_q] or None)``, an index list
+    with its lengths as in each of :func:`sparse_decode_ref`'s caches.
 
     Returns out ``[s_q, h, 512]``, max_logits ``[s_q, h]`` (-inf when empty), lse ``[s_q, h]``
     (+inf when empty), all float64.
     """
+    indices, topk_length = index_list
     s_q = q.shape[0]
     s_kv = kv.shape[0]
     idx = indices[:, 0, :].to(torch.int64)
