@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.support.families import FAMILIES
+from tests.support.families import EVERY_FAMILY_PLAN, FAMILIES
 from vllm_dsv4_backend.formats import constants
 from vllm_dsv4_backend.layer import core, plan
 from vllm_dsv4_backend.layer import sizing as layer_sizing
@@ -128,7 +128,7 @@ def test_lease_plan_is_what_sizing_reserves(platform, dtype):
     # An explicit plan with every view (the sizing before lease plans) reserves
     # topk.local and every family for C4.
     every = plan.build_workspace_config(plan.Dims(4, 8), max_num_batched_tokens=16,
-                                        indexer_kv_dtype=dtype, plan=plan.EVERY_FAMILY_PLAN)
+                                        indexer_kv_dtype=dtype, plan=EVERY_FAMILY_PLAN)
     assert every.params["plan"] == "custom"
     assert [s.name for s in every.family_buffers("topk")] == ["local", "global", "lens"]
     assert every.layer_families(4) == FAMILIES
@@ -171,7 +171,7 @@ def test_sizing_table_sizes_the_plans(capsys):
     # The sizing before lease plans, now an explicit plan through the same builder.
     dims, ratios = plan.dims_from_hf_config(plan.DSV4_FLASH_HF_CONFIG, tp_size=1)
     old = [sizing.workspace_bytes(plan.build_workspace_config(
-        dims, max_num_batched_tokens=8192, indexer_kv_dtype=d, plan=plan.EVERY_FAMILY_PLAN,
+        dims, max_num_batched_tokens=8192, indexer_kv_dtype=d, plan=EVERY_FAMILY_PLAN,
         compress_ratios=ratios), "shared").per_family for d in constants.INDEXER_KV_DTYPES]
     for p, rs in rows.items():
         for r, o in zip(rs, old, strict=True):

@@ -17,11 +17,10 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.families import FAMILIES, small_workspace_config
+from tests.support.families import EVERY_FAMILY_PLAN, FAMILIES, small_workspace_config
 from vllm_dsv4_backend.layer.core import make_workspace
 from vllm_dsv4_backend.layer.plan import (
     DSV4_FLASH_HF_CONFIG,
-    EVERY_FAMILY_PLAN,
     LEASE_PLAN,
     Dims,
     build_workspace_config,

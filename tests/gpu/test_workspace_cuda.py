@@ -17,11 +17,10 @@ import random
 import pytest
 import torch
 
-from tests.support.families import AUX_FAMILIES, FAMILIES
+from tests.support.families import AUX_FAMILIES, EVERY_FAMILY_PLAN, FAMILIES
 from tests.support.stream_schedule import Pool49236Layout
 from vllm_dsv4_backend.layer.plan import (
     DSV4_FLASH_HF_CONFIG,
-    EVERY_FAMILY_PLAN,
     build_workspace_config,
     dims_from_hf_config,
 )

@@ -6,7 +6,15 @@ workspace configs the tests build from it (torch only)."""
 
 from __future__ import annotations
 
-from vllm_dsv4_backend.layer.plan import LEASE_PLAN, Dims, Plan, build_workspace_config
+from vllm_dsv4_backend.formats.constants import LAYER_KINDS
+from vllm_dsv4_backend.layer.plan import (
+    LEASE_PLAN,
+    Dims,
+    Plan,
+    build_workspace_config,
+    family_views,
+)
+from vllm_dsv4_backend.testing.schedule import WIDE_PLAN
 from vllm_dsv4_backend.workspace import WorkspaceConfig
 
 
@@ -23,6 +31,24 @@ def families(platform: str | None = None) -> tuple[str, ...]:
 FAMILIES: tuple[str, ...] = families()
 # The families #49236 put at one offset (every family but the attention output ``q``).
 AUX_FAMILIES: tuple[str, ...] = tuple(f for f in FAMILIES if f != "q")
+
+
+def _every_family_plan() -> Plan:
+    every = family_views(Dims(1, 1), "mxfp4")
+    plans = [p for by_dtype in LEASE_PLAN.values() for p in by_dtype.values()] + [WIDE_PLAN]
+    out: dict[str, dict[str, tuple[str, ...]]] = {}
+    for kind in dict.fromkeys(LAYER_KINDS.values()):
+        used = {fam for p in plans for fam in p.get(kind, {})}
+        out[kind] = {fam: ("q",) if fam == "q" else tuple(v.name for v in specs)
+                     for fam, specs in every.items() if fam in used}
+    return out
+
+
+# Every family a layer kind uses in any plan (each platform's LEASE_PLAN and vLLM's wide
+# eager region, WIDE_PLAN) with every view, the padded q as the q family: the workspace
+# mechanism's bounds and view tests lease all of it. Derived, so a family added to
+# family_views and a lease plan is in it too.
+EVERY_FAMILY_PLAN: Plan = _every_family_plan()
 
 
 def small_workspace_config(

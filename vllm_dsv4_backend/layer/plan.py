@@ -40,12 +40,10 @@ from typing import Any
 import torch
 
 from vllm_dsv4_backend.formats.constants import INDEXER_KV_DTYPES, LAYER_KINDS, layer_kind
-from vllm_dsv4_backend.testing.schedule import WIDE_PLAN
 from vllm_dsv4_backend.workspace.sizing import BufferSpec, FamilySpec, WorkspaceConfig
 
 __all__ = [
     "DSV4_FLASH_HF_CONFIG",
-    "EVERY_FAMILY_PLAN",
     "LEASE_PLAN",
     "Dims",
     "build_workspace_config",
@@ -145,25 +143,6 @@ def family_views(dims: Dims, indexer_kv_dtype: str) -> dict[str, tuple[BufferSpe
                  BufferSpec("lens", (), torch.int32)),
         "compressor": (BufferSpec("scratch", (d,), torch.float32),),
     }
-
-
-def _every_family_plan() -> dict[str, dict[str, tuple[str, ...]]]:
-    # Derived, so that a family added to family_views and a lease plan is in it too.
-    every = family_views(Dims(1, 1), "mxfp4")
-    plans = [p for by_dtype in LEASE_PLAN.values() for p in by_dtype.values()] + [WIDE_PLAN]
-    out: dict[str, dict[str, tuple[str, ...]]] = {}
-    for kind in dict.fromkeys(LAYER_KINDS.values()):
-        used = {fam for p in plans for fam in p.get(kind, {})}
-        out[kind] = {fam: ("q",) if fam == "q" else tuple(v.name for v in specs)
-                     for fam, specs in every.items() if fam in used}
-    return out
-
-
-EVERY_FAMILY_PLAN: dict[str, dict[str, tuple[str, ...]]] = _every_family_plan()
-"""Every family a layer kind uses in any plan (each platform's :data:`LEASE_PLAN`, and
-vLLM's wide eager region, ``testing.schedule.WIDE_PLAN``) with every view, the padded q
-as the q family: what the sizing reserved before lease plans, now an explicit plan (the
-workspace's bounds and view tests)."""
 
 
 def _check_plan(plan: Plan, every: Mapping[str, tuple[BufferSpec, ...]]) -> None:
