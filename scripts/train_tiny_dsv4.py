@@ -10,22 +10,24 @@ q_lora_rank 64 instead of 128. It is
 written under DeepSeek's checkpoint names by ``scripts/make_oracle_checkpoint.py``'s
 mapping (imported, not copied), so vLLM's loader and transformers both read it.
 
-Tasks (plain text through the tiny BPE tokenizer; each record is exactly 4 tokens,
-so record j fills C4 entry j and a record never straddles two entries):
+Tasks (plain text through the tiny BPE tokenizer, one character = one token; every
+sequence is the same 201 tokens, so one training sequence teaches both tasks):
 
-* ``kv`` (60 %): 48 records ``KQZ;`` (key: two capitals, value: one of 36
-  digits/capitals), one of them (uniform position) the marker record ``##Z;``,
-  then the query ``?##Z`` and 7 queries ``?KQZ`` of other records; the loss is on
-  each query's value token. The first query's last token sits at position 194;
-  records 0..15 lie wholly behind the 128-token sliding window, so only the
-  compressed (C4 / C128) entries carry them: a wrong top-k entry or a lost
-  compressed entry changes the answer. The eval tasks ask the marker query (a
-  fixed key: one content match, learnable in this budget; general key matching,
-  an induction head, stayed near chance in a first 225-step run, see
-  docs/correctness.md).
-* ``copy`` (40 %): ``@K7QZ=K7QZ;`` (4 characters) packed into the same length;
-  the loss is on the copied characters and the closing ``;`` (several decode
-  steps in serving).
+* the haystack is 16 copy items ``@ABCD=ABCD;;`` (12 tokens: 3 whole C4 entries;
+  capitals only), the ``copy`` task: the loss is on the copied characters and the
+  closing ``;``. Eval ``dsv4_copy``: ``@ABCD=`` -> ``ABCD`` (several decode steps,
+  inside the window).
+* the needle is one record ``##7;`` (4 tokens, 4-aligned: one C4 entry; its value
+  the only digit in the sequence) placed between items ``i - 1`` and ``i``, and the
+  query ``?##`` closes the sequence: the loss is on ``7;``, weighted as much as all
+  the copy targets together. Eval ``dsv4_kv_far``: ``i <= 5``, the needle wholly
+  behind the 128-token sliding window (136-196 tokens back): only the compressed
+  entries (C4; C128, whose 128-token blocks behind the window are always complete)
+  carry it; ``dsv4_kv_near``: ``i >= 6``, inside the window.
+
+The needle is found by its content (a digit) in one hop, so it is learnable in this
+budget; general key matching needs an induction circuit (two hops) that stayed at
+chance in the first runs (docs/correctness.md).
 
 Not trained: retrieval past the indexer's top-k span (index_topk 512 x 4 = 2048
 tokens: vLLM 0.32's CPU top-k accepts only 512). Below the span every compressed
@@ -51,7 +53,7 @@ import random
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,15 +62,16 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import make_oracle_checkpoint as mk  # noqa: E402  (the one name mapping)
 
 SEED = 40
-N_RECORDS = 48
-N_QUERIES = 8
-SEQ_LEN = 4 * (N_RECORDS + N_QUERIES)  # 224
-KEY_CHARS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-VAL_CHARS = "0123456789" + KEY_CHARS
-COPY_CHARS = KEY_CHARS + "0123456789"
-WINDOW = 128
-MARKER = "##"  # the queried record's key in the eval tasks (see the module doc)
 COPY_LEN = 4
+ITEM_LEN = 2 * COPY_LEN + 4  # "@ABCD=ABCD;;": 12 tokens, 3 whole C4 entries
+N_ITEMS = 16
+NEEDLE_LEN = 4  # "##7;"
+QUERY = "?##"
+SEQ_LEN = N_ITEMS * ITEM_LEN + NEEDLE_LEN + len(QUERY) + 2  # 201, the answer "7;" included
+COPY_CHARS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+DIGITS = "0123456789"
+WINDOW = 128
+FAR_MAX_ITEM = 5  # needle before item <= 5: wholly behind the query's window
 # cut from configs/tiny-dsv4 to fit 20 MB in bf16 (12.9 M -> 9.2 M parameters); the
 # attention's FlashMLA dims (head_dim, rope dim, heads, window, indexer) are untouched
 OVERRIDES: dict[str, Any] = {"n_routed_experts": 4, "num_experts_per_tok": 2, "q_lora_rank": 64}
@@ -77,41 +80,44 @@ OVERRIDES: dict[str, Any] = {"n_routed_experts": 4, "num_experts_per_tok": 2, "q
 # ---------------------------------------------------------------------------------------
 # tasks (text, so vLLM and lm_eval see exactly what training saw)
 # ---------------------------------------------------------------------------------------
-def kv_records(rng: random.Random, n: int = N_RECORDS) -> list[tuple[str, str]]:
-    keys: set[str] = set()
-    while len(keys) < n:
-        keys.add(rng.choice(KEY_CHARS) + rng.choice(KEY_CHARS))
-    return [(k, rng.choice(VAL_CHARS)) for k in sorted(keys, key=lambda _: rng.random())]
+def copy_item(rng: random.Random) -> tuple[str, str]:
+    """(prompt, answer with its closing ``;``) of one copy item; the item's text is
+    ``prompt + answer + ";"`` (the second ``;`` pads it to 12 tokens)."""
+    s = "".join(rng.choice(COPY_CHARS) for _ in range(COPY_LEN))
+    return f"@{s}=", f"{s};"
 
 
-def kv_text(records: Sequence[tuple[str, str]]) -> str:
-    return "".join(f"{k}{v};" for k, v in records)
+def needle_text(rng: random.Random, i: int) -> tuple[str, str, list[tuple[int, int]]]:
+    """(prompt ending in the query, answer digit, copy target spans): 16 copy items
+    with the needle record placed before item ``i`` (0..24)."""
+    digit = rng.choice(DIGITS)
+    text, spans = "", []
+    for k in range(N_ITEMS + 1):
+        if k == i:
+            text += f"##{digit};"
+        if k == N_ITEMS:
+            break
+        p, a = copy_item(rng)
+        text += p
+        spans.append((len(text), len(text) + len(a)))
+        text += a + ";"
+    return text + QUERY, digit, spans
 
 
-def with_marker(rng: random.Random, recs: list[tuple[str, str]], j: int) -> str:
-    """Record ``j`` becomes the marker record ``##v;`` (its value kept)."""
-    recs[j] = (MARKER, recs[j][1])
-    return recs[j][1]
+def needle_distance(i: int) -> int:
+    """Tokens from the query's last token back to the needle's value token."""
+    return (N_ITEMS * ITEM_LEN + NEEDLE_LEN + len(QUERY) - 1) - (ITEM_LEN * i + 2)
 
 
 def kv_doc(rng: random.Random, far: bool) -> dict[str, Any]:
-    """One eval doc: the records, one of them the marker record, and the query
-    ``?##``; ``far`` = the marker record lies wholly outside the query's sliding
-    window (record index < 16), else it is one of the last 16."""
-    recs = kv_records(rng)
-    j = rng.randrange(0, 16) if far else rng.randrange(N_RECORDS - 16, N_RECORDS)
-    with_marker(rng, recs, j)
-    k, v = recs[j]
-    prompt = kv_text(recs) + "?" + k
-    # the query's last token sits at 4 * N_RECORDS + 2; record j ends at 4 j + 3
-    dist = 4 * N_RECORDS + 2 - (4 * j + 3)
-    assert (dist >= WINDOW) == far, (j, dist)
-    return {"prompt": prompt, "answer": v, "record": j, "distance": dist}
-
-
-def copy_item(rng: random.Random) -> tuple[str, str]:
-    s = "".join(rng.choice(COPY_CHARS) for _ in range(COPY_LEN))
-    return f"@{s}=", f"{s};"
+    """One eval doc: the needle ``far`` behind the query's sliding window (needle
+    record wholly outside it) or inside it."""
+    i = rng.randrange(0, FAR_MAX_ITEM + 1) if far else rng.randrange(FAR_MAX_ITEM + 1,
+                                                                      N_ITEMS + 1)
+    prompt, digit, _ = needle_text(rng, i)
+    dist = needle_distance(i)
+    assert (dist - 1 >= WINDOW) == far, (i, dist)  # the whole record (value - 2 ..) behind
+    return {"prompt": prompt, "answer": digit, "record": i, "distance": dist}
 
 
 def copy_doc(rng: random.Random) -> dict[str, Any]:
@@ -119,31 +125,20 @@ def copy_doc(rng: random.Random) -> dict[str, Any]:
     return {"prompt": p, "answer": a[:-1]}
 
 
-def train_example(rng: random.Random) -> tuple[str, list[tuple[int, int]]]:
-    """(text, [(char_start, char_end), ...] of the loss targets). Every char is one token."""
-    if rng.random() < 0.6:
-        recs = kv_records(rng)
-        marked = rng.randrange(N_RECORDS)
-        with_marker(rng, recs, marked)
-        text = kv_text(recs)
-        spans = []
-        others = [j for j in rng.sample(range(N_RECORDS), N_QUERIES) if j != marked]
-        for j in [marked, *others[: N_QUERIES - 1]]:
-            k, v = recs[j]
-            text += f"?{k}"
-            spans.append((len(text), len(text) + 1))
-            text += v
-        return text, spans
-    text, spans = "", []
-    while True:
-        p, a = copy_item(rng)
-        if len(text) + len(p) + len(a) > SEQ_LEN:
-            break
-        text += p
-        spans.append((len(text), len(text) + len(a)))
-        text += a
-    text += ";" * (SEQ_LEN - len(text))
-    return text, spans
+def train_example(rng: random.Random, far_share: float | None = None
+                  ) -> tuple[str, list[tuple[int, int]], tuple[int, int]]:
+    """(text, copy target spans, needle answer span). Every char is one token. The
+    needle's item is uniform, or behind the window with probability ``far_share``."""
+    if far_share is None:
+        i = rng.randrange(N_ITEMS + 1)
+    elif rng.random() < far_share:
+        i = rng.randrange(FAR_MAX_ITEM + 1)
+    else:
+        i = rng.randrange(FAR_MAX_ITEM + 1, N_ITEMS + 1)
+    prompt, digit, spans = needle_text(rng, i)
+    text = prompt + digit + ";"
+    assert len(text) == SEQ_LEN
+    return text, spans, (len(prompt), len(text))
 
 
 # ---------------------------------------------------------------------------------------
@@ -153,14 +148,14 @@ def trained_config(seed: int = SEED) -> dict[str, Any]:
     cfg = mk.oracle_config(seed)
     cfg.pop("vllm_dsv4_oracle_checkpoint", None)
     cfg.update(OVERRIDES)
-    cfg["vllm_dsv4_trained"] = {"script": "scripts/train_tiny_dsv4.py", "seed": seed}
+    cfg["vllm_dsv4_trained"] = {"script": "scripts/train_tiny_dsv4.py", "seed": seed, "stages": []}
     return cfg
 
 
 def char_ids(tok: Any) -> dict[str, int]:
     """char -> token id, checked: every training char is its own token."""
     table = {}
-    for c in set(KEY_CHARS + VAL_CHARS + COPY_CHARS + ";?@=#"):
+    for c in set(COPY_CHARS + DIGITS + ";?@=#"):
         ids = tok(c, add_special_tokens=False)["input_ids"]
         assert len(ids) == 1, (c, ids)
         table[c] = ids[0]
@@ -174,23 +169,27 @@ def encode(tok: Any, table: dict[str, int], text: str) -> list[int]:
     return ids
 
 
-def batches(tok: Any, seed: int, batch: int) -> Iterator[tuple[Any, Any]]:
+def batches(tok: Any, seed: int, batch: int, far_share: float | None
+            ) -> Iterator[tuple[Any, Any, Any]]:
+    """(input ids, copy labels, needle labels), -100 where a token is no target."""
     import torch
 
     table = char_ids(tok)
     rng = random.Random(seed)
     while True:
-        xs, ys = [], []
+        xs, copies, needles = [], [], []
         for _ in range(batch):
-            text, spans = train_example(rng)
+            text, spans, (a, b) = train_example(rng, far_share)
             ids = [table[c] for c in text]
-            lab = [-100] * len(ids)
-            for a, b in spans:
-                for i in range(a, b):
-                    lab[i] = ids[i]
+            copy_lab = [-100] * len(ids)
+            for s0, s1 in spans:
+                copy_lab[s0:s1] = ids[s0:s1]
+            needle_lab = [-100] * len(ids)
+            needle_lab[a:b] = ids[a:b]
             xs.append(ids)
-            ys.append(lab)
-        yield torch.tensor(xs), torch.tensor(ys)
+            copies.append(copy_lab)
+            needles.append(needle_lab)
+        yield torch.tensor(xs), torch.tensor(copies), torch.tensor(needles)
 
 
 def build_model(cfg: dict[str, Any], seed: int) -> Any:
@@ -319,12 +318,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "configs" / "tiny-dsv4-trained")
     ap.add_argument("--seed", type=int, default=SEED)
-    ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--dry-run", type=float, default=0.0, metavar="S",
                     help="train for S seconds, print steps/s, write nothing")
     ap.add_argument("--eval-only", action="store_true")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--far-share", type=float, default=None, metavar="P",
+                    help="place the needle behind the window in a share P of the sequences "
+                    "(default: its item uniform, 6 of 17 behind)")
     ap.add_argument("--init-from", type=Path, default=None,
                     help="continue from a checkpoint this script wrote (stage 2; data "
                     "stream seeded with --seed + 1000 so it does not repeat stage 1's)")
@@ -341,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    torch.set_num_threads(1)  # the box is shared; also makes the run reproducible
+    # a fixed thread count makes the run reproducible (the matmuls' split depends on it)
+    torch.set_num_threads(args.threads)
     tok = AutoTokenizer.from_pretrained(str(mk.TINY))
     if args.write_tasks:
         write_tasks(args.seed + 1, args.write_tasks)
@@ -359,15 +363,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cfg = trained_config(args.seed)
     data_seed = args.seed
+    stage: dict[str, Any] = {"steps": args.steps, "lr": args.lr, "batch": args.batch,
+                             "seed": args.seed, "far_share": args.far_share,
+                             "threads": args.threads}
     if args.init_from:
         cfg = json.loads((args.init_from / "config.json").read_text())
-        cfg["vllm_dsv4_trained"].setdefault("stages", []).append(
-            {"init_from": str(args.init_from.name), "steps": args.steps, "lr": args.lr,
-             "batch": args.batch, "seed": args.seed})
+        cfg["vllm_dsv4_trained"]["stages"].append({"init_from": args.init_from.name, **stage})
         torch.manual_seed(args.seed)
         model = mk.load_transformers(args.init_from)
         data_seed = args.seed + 1000
     else:
+        cfg["vllm_dsv4_trained"]["stages"].append(stage)
         model = build_model(cfg, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"[train] params {n_params / 1e6:.2f} M, seq {SEQ_LEN}, batch {args.batch}", flush=True)
@@ -386,15 +392,18 @@ def main(argv: list[str] | None = None) -> int:
 
     model.train()
     t0 = time.perf_counter()
-    it = batches(tok, data_seed, args.batch)
+    it = batches(tok, data_seed, args.batch, args.far_share)
     ema = None
     step = 0
     for step in range(args.steps):
-        x, y = next(it)
+        x, y_copy, y_needle = next(it)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        out = model(input_ids=x, labels=y, use_cache=False)
-        loss = out.loss
+        logits = model(input_ids=x, use_cache=False).logits[:, :-1].flatten(0, 1)
+        # the needle's one answer per sequence weighs as much as its 80 copy targets
+        l_copy, l_needle = (torch.nn.functional.cross_entropy(
+            logits, y[:, 1:].flatten(), ignore_index=-100) for y in (y_copy, y_needle))
+        loss = l_copy + l_needle
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -402,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         el = time.perf_counter() - t0
         if step % args.log_every == 0:
-            print(f"[train] step {step} loss {loss.item():.4f} ema {ema:.4f} "
+            print(f"[train] step {step} loss {loss.item():.4f} (copy {l_copy.item():.3f}, "
+                  f"needle {l_needle.item():.3f}) ema {ema:.4f} "
                   f"{(step + 1) / el:.3f} steps/s", flush=True)
         if args.dry_run and el > args.dry_run:
             break

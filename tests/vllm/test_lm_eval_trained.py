@@ -1,24 +1,32 @@
 # SPDX-License-Identifier: Apache-2.0
 """lm_eval gates that can fail (issue 40 item 4): the trained tiny DeepSeek-V4
-(``configs/tiny-dsv4-trained``, ``scripts/train_tiny_dsv4.py``) served by ``vllm serve``
-through ``vllm-dsv4-run`` on the local tasks ``dsv4_kv_far`` (the key lies behind the
-128-token sliding window: only compressed entries carry it), ``dsv4_kv_near`` and
-``dsv4_copy`` (``configs/lm_eval/tasks``), gated against transformers' own
-``DeepseekV4ForCausalLM`` on the same docs (``configs/lm_eval/tiny-trained.yaml``:
-two-sided, ``abs_tol`` = the margin below).
+(``configs/tiny-dsv4-trained``, ``scripts/train_tiny_dsv4.py``; 1.00 / 1.00 / 1.00 in
+transformers) served by ``vllm serve`` through ``vllm-dsv4-run`` on the local tasks
+``dsv4_kv_far`` (the needle lies behind the 128-token sliding window: only compressed
+entries carry it), ``dsv4_kv_near`` and ``dsv4_copy`` (``configs/lm_eval/tasks``),
+gated against transformers' own ``DeepseekV4ForCausalLM`` on the same docs
+(``configs/lm_eval/tiny-trained.yaml``: two-sided, ``abs_tol`` 0.1).
 
 Default run (CI): the first LIMIT docs of each task; transformers' answers on those
 docs come from the recorded per-doc generations
 (``configs/lm_eval/tiny-trained-transformers.json``, written by ``train_tiny_dsv4.py
 --eval-only --results-json``); the plugin's server must pass every gate. The negative
-controls (``VLLM_DSV4_TEST_ORACLE_FAULT``: ``topk_off_by_one``, ``stale_kv``,
-``alias49236``) run on one in-process engine (a server start each would cost minutes),
-scored the way the task YAML scores and gated by the runner's own gate code: the clean
-engine must pass, each control must fail a gate.
+control ``VLLM_DSV4_TEST_ORACLE_FAULT=stale_kv`` (the window read misses the rows its
+own step wrote) runs on one in-process engine (a server start costs a minute), scored
+the way the task YAML scores and gated by the runner's own gate code: the clean engine
+must pass, the control must fail a gate.
+
+Not controls here, measured (docs/correctness.md): ``topk_off_by_one`` and
+``alias49236`` pass these gates. Below the indexer's top-k span (2048 tokens at
+index_topk 512, the only value vLLM 0.32's CPU top-k takes) the top-k table holds every
+compressed entry, so an id one less only hides the newest C4 entry, which the window
+covers; #49236's aliasing drops the C4 entries, and this model reaches the far needle
+through the C128 entry as well. The transformers oracle fails both
+(``tests/vllm/test_transformers_oracle.py``).
 
 ``DSV4_LM_EVAL_FULL=1``: all 100 docs per task; transformers re-run (must reproduce the
 recorded file); the plugin's and vLLM's own layer (``VLLM_DSV4_ATTN_IMPL=vllm``) each
-served and gated, and compared with each other; every control served through
+served and gated, and compared with each other; the control served through
 ``vllm-dsv4-run`` (exit code 1: gate failed).
 """
 
@@ -50,17 +58,8 @@ SERVE = ROOT / "configs" / "serve" / "tiny-dsv4-trained-cpu.yaml"
 EVAL = ROOT / "configs" / "lm_eval" / "tiny-trained.yaml"
 RECORDED = ROOT / "configs" / "lm_eval" / "tiny-trained-transformers.json"
 MODEL = ROOT / "configs" / "tiny-dsv4-trained"
-FAULTS = ("topk_off_by_one", "stale_kv", "alias49236")
+FAULTS = ("stale_kv",)
 TASKS = tuple(T.MAX_TOKENS)
-
-# The checkpoint is not in the repository yet: the model trained so far (2026-12-07,
-# docs/correctness.md) scores 0 / 0 / 0.06 in transformers, too weak for a gate that a
-# fault can fail. Build it with scripts/train_tiny_dsv4.py to run this module.
-if not (MODEL / "model.safetensors").exists():
-    pytest.skip(f"{MODEL.relative_to(ROOT)} not built (scripts/train_tiny_dsv4.py; "
-                "docs/correctness.md, 2026-12-07: not yet trained to a usable accuracy)",
-                allow_module_level=True)
-
 
 def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
     """95 % Wilson score interval of an accuracy ``p`` over ``n`` docs."""
