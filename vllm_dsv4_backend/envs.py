@@ -73,7 +73,8 @@ Variables:
     less (each selected entry reads its predecessor, entry 0 none); ``compress_late``
     makes compressed entry ``j`` visible one token late (``j < p // ratio``
     instead of ``j < (p + 1) // ratio``, C4 and C128). Read on every step.
-    The trained model's lm_eval gates (issue 40 item 4) add two: ``stale_kv``
+    Two more, added with the trained model's lm_eval gates (issue 40 item 4,
+    which fail on the first): ``stale_kv``
     (the sliding-window read misses every row the step itself wrote, as a
     read that ran before the step's KV insert landed) and ``alias49236``
     (vLLM #49236's layout, aux families at one offset: the indexer q's bytes

@@ -17,9 +17,9 @@ turns it on:
 * ``VLLM_DSV4_TEST_ORACLE_FAULT``: C4 top-k entry ids off by one, or compressed
   entries visible one token late: the transformers oracle's negative controls
   (``tests/vllm/test_transformers_oracle.py``), each a one-off semantic error
-  that a comparison against an independent model must catch; ``stale_kv`` and
-  ``alias49236``: the trained model's lm_eval gates' controls
-  (``tests/vllm/test_lm_eval_trained.py``).
+  that a comparison against an independent model must catch; so are ``stale_kv``
+  and ``alias49236``, and ``stale_kv`` is also the trained model's lm_eval gate
+  control (``tests/vllm/test_lm_eval_trained.py``).
 * :mod:`.schedule`: the simulated DeepSeek-V4 stream fan-out the race tests
   drive the workspace with.
 
