@@ -7,7 +7,8 @@ own ``DeepseekV4ForCausalLM`` in fp32 on one seeded checkpoint, teacher-forced.
 - :func:`reference`: transformers' log-probabilities of every token of a
   sequence given its prefix (one full forward, fp32, eager attention).
 - The worker (``python -m tests.support.transformers_oracle SPEC OUT``): one
-  in-process ``vllm.LLM`` per engine variant; for each request, greedy decode
+  in-process ``vllm.LLM`` per engine variant (a TP / PP variant's ranks are vLLM's
+  worker processes); for each request, greedy decode
   of ``n_decode`` tokens with ``prompt_logprobs=1`` and ``logprobs=1``, then the
   same engine again under each negative-control fault (the switch is read on
   every step, and the engine runs in this process).
@@ -119,7 +120,10 @@ def worker(spec_path: str, out_path: str) -> None:  # pragma: no cover - subproc
         t0 = time.perf_counter()
         llm = LLM(model=spec["model"], **{**spec["engine"], **var.get("engine", {})})
         sched = llm.llm_engine.vllm_config.scheduler_config
+        par = llm.llm_engine.vllm_config.parallel_config
         res: dict[str, Any] = {"start_s": time.perf_counter() - t0,
+                               "parallel": {"tp": par.tensor_parallel_size,
+                                            "pp": par.pipeline_parallel_size},
                                "chunked_prefill": bool(sched.enable_chunked_prefill),
                                "max_num_batched_tokens": int(sched.max_num_batched_tokens)}
         t0 = time.perf_counter()
@@ -132,6 +136,8 @@ def worker(spec_path: str, out_path: str) -> None:  # pragma: no cover - subproc
             res["faults"][fault] = _run_requests(llm, reqs)
             os.environ["VLLM_DSV4_TEST_ORACLE_FAULT"] = "off"
         out[name] = res
+        # a TP / PP engine's workers are processes of their own: stop them before the next
+        llm.llm_engine.engine_core.shutdown()
         del llm
     Path(out_path).write_text(json.dumps(out))
     sys.stdout.flush()

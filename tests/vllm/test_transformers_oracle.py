@@ -19,7 +19,9 @@ entry at p = 127), and 8 prompts of 32 tokens (the negative controls' region).
 
 Engines: fp8 KV cache (``fp8_ds_mla``) with the FP8 indexer cache, and with the MXFP4
 indexer cache (``use_fp4_indexer_cache``), on this machine's CPU kind (vLLM's C++
-kernels on AVX512-BF16, the plugin's torch fallbacks elsewhere). Chunked prefill:
+kernels on AVX512-BF16, the plugin's torch fallbacks elsewhere); and under TP 2 (FP8
+indexer) and PP 2 (MXFP4 indexer), whose ranks are worker processes of vLLM's
+multiprocessing executor. Chunked prefill:
 vLLM 0.32's CPU platform turns it off for DeepSeek-V4 unless the CPU has AMX
 (``CpuPlatform.check_and_update_config``); the full variant asks for it and skips with
 that reason where vLLM refused.
@@ -57,6 +59,7 @@ from typing import Any
 
 import pytest
 
+from tests.support import served as S
 from tests.support import transformers_oracle as O
 from tests.support.vllm_helpers import TINY_ENGINE, run_module_report
 
@@ -98,6 +101,12 @@ def _variants() -> dict[str, Any]:
         v["plugin-torch-mla/fp8-indexer"] = {"env": {**plugin, "VLLM_DSV4_KERNEL": "torch"}}
         v["chunked-prefill-512"] = {"env": plugin, "engine": {
             "enable_chunked_prefill": True, "max_num_batched_tokens": 512}}
+    # TP 2 and PP 2: each rank a worker process of vLLM's multiprocessing executor, bound
+    # (as vLLM's CPU workers want) to half of this process's CPUs
+    bind = {"VLLM_CPU_OMP_THREADS_BIND": S.bind_list(2) or "all"}
+    v["tp2/fp8-indexer"] = {"env": {**plugin, **bind}, "engine": {"tensor_parallel_size": 2}}
+    v["pp2/mxfp4-indexer"] = {"env": {**plugin, **bind}, "engine": {
+        "pipeline_parallel_size": 2, "attention_config": {"use_fp4_indexer_cache": True}}}
     return v
 
 
@@ -189,6 +198,14 @@ def test_oracle_negative_control(oracle: dict[str, Any], fault: str) -> None:
           f"p=3,7 mean {c4:.4f} (tol {C4_TOL})")
     assert early > EARLY_TOL or c4 > C4_TOL, (
         f"{fault} passes the oracle: early {early:.4f}, p=3,7 {c4:.4f}")
+
+
+def test_parallel_variants_ran_parallel(oracle: dict[str, Any]) -> None:
+    """The TP 2 / PP 2 rows come from engines of that size (not a silent TP 1 fallback)."""
+    res = oracle["res"]
+    assert res["tp2/fp8-indexer"]["parallel"] == {"tp": 2, "pp": 1}
+    assert res["pp2/mxfp4-indexer"]["parallel"] == {"tp": 1, "pp": 2}
+    assert res["fp8-kv/fp8-indexer"]["parallel"] == {"tp": 1, "pp": 1}
 
 
 def test_chunked_prefill_or_reason(oracle: dict[str, Any]) -> None:
