@@ -38,14 +38,25 @@ Variants:
 
 * ``bf16`` (default): every weight in bf16, ``expert_dtype`` "bf16" (vLLM then
   builds unquantized experts), no ``quantization_config``.
-* the quantized layout DeepSeek-V4-Flash ships (FP8 128x128 block-scaled
-  linears, MXFP4 experts) is not written: see docs/correctness.md
-  ("transformers oracle") for why neither side's CPU path loads it.
+* ``fp8-mxfp4`` (``--layout fp8-mxfp4``): the layout DeepSeek-V4-Flash ships, from
+  the same seeded weights. Linears of the attention (``wq_a``, ``wq_b``, ``wkv``,
+  ``wo_a``, ``wo_b``, the indexer's ``wq_b``) and the shared expert: FP8 e4m3 with one
+  UE8M0 scale per 128 x 128 block (``.scale``, ``float8_e8m0fnu``); routed experts:
+  MXFP4 (``int8`` [out, in / 2], element ``2k`` in the low nibble, one UE8M0 ``.scale``
+  per 32 inputs); the compressors' projections, the indexer's ``weights_proj``, the
+  router, norms, embeddings and hyper-connections stay bf16, as in the Flash
+  checkpoint. ``quantization_config`` is Flash's (``fp8``, ``ue8m0``, blocks [128, 128],
+  dynamic activations), ``expert_dtype`` "fp4". transformers 5.19 reads no MXFP4
+  experts, so its reference is :func:`write_dequantized`: the same values dequantized
+  into a bf16 checkpoint (exact: every e4m3 x 2^k and e2m1 x 2^k value is a bf16).
+  vLLM 0.32's CPU build loads this layout only on AMX CPUs (docs/correctness.md).
 
 Usage::
 
     .venv/bin/python scripts/make_oracle_checkpoint.py OUT_DIR [--seed 0]
     .venv/bin/python scripts/make_oracle_checkpoint.py OUT_DIR --verify   # + round trip
+    .venv/bin/python scripts/make_oracle_checkpoint.py OUT_DIR --layout fp8-mxfp4 \
+        [--dequantized REF_DIR]   # + the bf16 reference transformers reads
 """
 
 from __future__ import annotations
@@ -108,6 +119,19 @@ CONDITION: list[tuple[str, float]] = [
     (r"(^|\.)hc_(attn|ffn|head)_fn$", 0.1),
     (r"\.ffn\.(experts\.\d+|shared_experts)\.w2\.weight$", 0.3),
 ]
+
+
+# DeepSeek-V4-Flash's quantized layout (--layout fp8-mxfp4)
+LAYOUTS = ("bf16", "fp8-mxfp4")
+FP8_LINEAR = re.compile(
+    r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$"
+    r"|\.ffn\.shared_experts\.w[123]\.weight$")
+MXFP4_EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
+FP8_BLOCK = 128
+FP8_MAX = 448.0  # e4m3fn's largest finite value
+FLASH_QUANT_CONFIG: dict[str, Any] = {
+    "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+    "scale_fmt": "ue8m0", "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
 
 
 def to_deepseek_name(hf_name: str) -> str:
@@ -198,19 +222,110 @@ def hf_to_deepseek(hf_state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def write(out_dir: Path, seed: int = SEED) -> Path:
-    """Write config, tokenizer and ``model.safetensors`` into ``out_dir``."""
+def fp8_block_quantize(w: Any) -> tuple[Any, Any]:
+    """``[O, I]`` float -> (``[O, I]`` e4m3 weight, ``[ceil(O/128), ceil(I/128)]`` UE8M0
+    scale): each 128 x 128 block (partial at the edges) divided by the smallest power of
+    two that brings its max |w| within 448, round to nearest."""
+    import torch
+
+    o, i = w.shape
+    bo, bi = -(-o // FP8_BLOCK), -(-i // FP8_BLOCK)
+    padded = torch.zeros(bo * FP8_BLOCK, bi * FP8_BLOCK, dtype=torch.float32)
+    padded[:o, :i] = w.float()
+    blocks = padded.view(bo, FP8_BLOCK, bi, FP8_BLOCK)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp_min(torch.finfo(torch.float32).tiny)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+    return (q.view(bo * FP8_BLOCK, bi * FP8_BLOCK)[:o, :i].contiguous(),
+            scale.to(torch.float8_e8m0fnu))
+
+
+def fp8_block_dequantize(q: Any, scale: Any) -> Any:
+    """The float32 values an FP8 block-scaled weight stands for."""
+    o, i = q.shape
+    s = scale.float().repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
+    return q.float() * s[:o, :i]
+
+
+def quantize_flash_layout(sd: dict[str, Any]) -> dict[str, Any]:
+    """A bf16 DeepSeek-named state dict in DeepSeek-V4-Flash's quantized layout."""
+    import torch
+
+    from vllm_dsv4_backend.formats import mxfp4
+
+    out: dict[str, Any] = {}
+    for name, t in sd.items():
+        stem = name.removesuffix("weight")
+        if MXFP4_EXPERT.search(name):
+            packed, exp = mxfp4.quantize(t.float())
+            out[name] = packed.view(torch.int8)
+            out[stem + "scale"] = exp.view(torch.float8_e8m0fnu)
+        elif FP8_LINEAR.search(name):
+            out[name], out[stem + "scale"] = fp8_block_quantize(t)
+        else:
+            out[name] = t
+    return out
+
+
+def dequantize_flash_layout(qsd: dict[str, Any]) -> dict[str, Any]:
+    """The quantized layout's values as a bf16 state dict (exact) without ``.scale``."""
+    import torch
+
+    from vllm_dsv4_backend.formats import mxfp4
+
+    out: dict[str, Any] = {}
+    for name, t in qsd.items():
+        if name.endswith(".scale"):
+            continue
+        scale = qsd.get(name.removesuffix("weight") + "scale")
+        if scale is None:
+            out[name] = t
+        elif t.dtype == torch.int8:
+            out[name] = mxfp4.dequantize(t.view(torch.uint8),
+                                         scale.view(torch.uint8)).to(torch.bfloat16)
+        else:
+            out[name] = fp8_block_dequantize(t, scale).to(torch.bfloat16)
+    return out
+
+
+def _save(out_dir: Path, sd: dict[str, Any], cfg: dict[str, Any]) -> Path:
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    cfg = oracle_config(seed)
-    sd = deepseek_state_dict(cfg, seed)
     save_file({k: v.contiguous() for k, v in sd.items()}, str(out_dir / "model.safetensors"),
               metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     for f in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(TINY / f, out_dir / f)
     return out_dir
+
+
+def write(out_dir: Path, seed: int = SEED, layout: str = "bf16") -> Path:
+    """Write config, tokenizer and ``model.safetensors`` (``layout``: :data:`LAYOUTS`)
+    into ``out_dir``."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r}: expected one of {LAYOUTS}")
+    cfg = oracle_config(seed)
+    sd = deepseek_state_dict(cfg, seed)
+    if layout == "fp8-mxfp4":
+        sd = quantize_flash_layout(sd)
+        cfg["expert_dtype"] = "fp4"
+        cfg["quantization_config"] = dict(FLASH_QUANT_CONFIG)
+    cfg["vllm_dsv4_oracle_checkpoint"]["variant"] = layout
+    return _save(out_dir, sd, cfg)
+
+
+def write_dequantized(quantized_dir: Path, out_dir: Path) -> Path:
+    """The bf16 checkpoint holding exactly the values of ``quantized_dir`` (what
+    transformers, which reads no MXFP4 experts, runs as the quantized model's reference)."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((quantized_dir / "config.json").read_text())
+    cfg.pop("quantization_config", None)
+    cfg["expert_dtype"] = "bf16"
+    cfg["vllm_dsv4_oracle_checkpoint"]["variant"] = "fp8-mxfp4 dequantized"
+    qsd = load_file(str(quantized_dir / "model.safetensors"))
+    return _save(out_dir, dequantize_flash_layout(qsd), cfg)
 
 
 def load_transformers(model_dir: Path) -> Any:
@@ -259,13 +374,25 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--seed", type=int, default=SEED)
+    ap.add_argument("--layout", choices=LAYOUTS, default="bf16")
+    ap.add_argument("--dequantized", type=Path, metavar="REF_DIR",
+                    help="fp8-mxfp4: also write its values as a bf16 checkpoint here")
     ap.add_argument("--verify", action="store_true", help="load it back with transformers")
     args = ap.parse_args(argv)
-    write(args.out, args.seed)
+    if args.dequantized and args.layout == "bf16":
+        ap.error("--dequantized needs --layout fp8-mxfp4")
+    write(args.out, args.seed, args.layout)
     size = (args.out / "model.safetensors").stat().st_size
-    print(f"[make_oracle_checkpoint] wrote {args.out} (seed {args.seed}, {size / 2**20:.1f} MiB)")
+    print(f"[make_oracle_checkpoint] wrote {args.out} ({args.layout}, seed {args.seed}, "
+          f"{size / 2**20:.1f} MiB)")
+    ref = args.out
+    if args.dequantized:
+        ref = write_dequantized(args.out, args.dequantized)
+        print(f"[make_oracle_checkpoint] wrote {ref} (its values, bf16)")
     if args.verify:
-        verify(args.out)
+        if args.layout != "bf16" and not args.dequantized:
+            ap.error("--verify of fp8-mxfp4 checks its bf16 reference: add --dequantized")
+        verify(ref)
     return 0
 
 

@@ -38,25 +38,25 @@ WINDOW = 128
 TOPK_SPAN = 4 * 512  # index_topk entries of 4 tokens: top-k selects from p = 2051 on
 
 
-def checkpoint(out_dir: Path) -> Path:
-    """The oracle checkpoint in ``out_dir`` (made by the maker script unless present)."""
-    if not (out_dir / "model.safetensors").exists():
-        sys.path.insert(0, str(MAKER.parent))
-        try:
-            import make_oracle_checkpoint as mk
-        finally:
-            sys.path.pop(0)
-        mk.write(out_dir)
-    return out_dir
-
-
-def load_reference(model_dir: Path) -> Any:
+def maker() -> Any:
+    """``scripts/make_oracle_checkpoint.py`` as a module (the one checkpoint maker)."""
     sys.path.insert(0, str(MAKER.parent))
     try:
         import make_oracle_checkpoint as mk
     finally:
         sys.path.pop(0)
-    return mk.load_transformers(model_dir)
+    return mk
+
+
+def checkpoint(out_dir: Path, layout: str = "bf16") -> Path:
+    """The oracle checkpoint in ``out_dir`` (made by the maker script unless present)."""
+    if not (out_dir / "model.safetensors").exists():
+        maker().write(out_dir, layout=layout)
+    return out_dir
+
+
+def load_reference(model_dir: Path) -> Any:
+    return maker().load_transformers(model_dir)
 
 
 def reference(model: Any, ids: Sequence[int]) -> tuple[list[float], list[int]]:
@@ -118,7 +118,15 @@ def worker(spec_path: str, out_path: str) -> None:  # pragma: no cover - subproc
         os.environ.update(base)
         os.environ.update(var.get("env", {}))
         t0 = time.perf_counter()
-        llm = LLM(model=spec["model"], **{**spec["engine"], **var.get("engine", {})})
+        model = spec["models"][var.get("model", "bf16")]
+        try:
+            llm = LLM(model=model, **{**spec["engine"], **var.get("engine", {})})
+        except Exception as e:  # a refusal is the variant's result
+            if not var.get("may_refuse"):
+                raise
+            # the last variant (the engine's half-built state is not reused)
+            out[name] = {"refused": f"{type(e).__name__}: {e}"}
+            continue
         sched = llm.llm_engine.vllm_config.scheduler_config
         par = llm.llm_engine.vllm_config.parallel_config
         res: dict[str, Any] = {"start_s": time.perf_counter() - t0,
