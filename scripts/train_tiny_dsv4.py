@@ -27,7 +27,9 @@ sequence is the same 201 tokens, so one training sequence teaches both tasks):
 
 The needle is found by its content (a digit) in one hop, so it is learnable in this
 budget; general key matching needs an induction circuit (two hops) that stayed at
-chance in the first runs (docs/correctness.md).
+chance in the first runs (docs/correctness.md). ``--distractors P`` (not in the shipped
+stages) puts a digit other than the needle's into each copy item with probability P, so
+only the ``##`` record answers; the runs with it are in docs/correctness.md.
 
 Not trained: retrieval past the indexer's top-k span (index_topk 512 x 4 = 2048
 tokens: vLLM 0.32's CPU top-k accepts only 512). Below the span every compressed
@@ -89,9 +91,19 @@ def copy_item(rng: random.Random) -> tuple[str, str]:
     return f"@{s}=", f"{s};"
 
 
-def needle_text(rng: random.Random, i: int) -> tuple[str, str, list[tuple[int, int]]]:
+def with_distractor(rng: random.Random, answer: str, digit: str) -> tuple[str, str]:
+    """A copy item (prompt, answer) from ``answer`` with one character replaced by a
+    digit other than the needle's ``digit``."""
+    s, k = answer[:-1], rng.randrange(COPY_LEN)
+    s = s[:k] + rng.choice([d for d in DIGITS if d != digit]) + s[k + 1:]
+    return f"@{s}=", f"{s};"
+
+
+def needle_text(rng: random.Random, i: int, distract: float = 0.0
+                ) -> tuple[str, str, list[tuple[int, int]]]:
     """(prompt ending in the query, answer digit, copy target spans): 16 copy items
-    with the needle record placed before item ``i`` (0..16)."""
+    with the needle record placed before item ``i`` (0..16); each item carries a
+    distractor digit with probability ``distract``."""
     digit = rng.choice(DIGITS)
     text, spans = "", []
     for k in range(N_ITEMS + 1):
@@ -100,6 +112,8 @@ def needle_text(rng: random.Random, i: int) -> tuple[str, str, list[tuple[int, i
         if k == N_ITEMS:
             break
         p, a = copy_item(rng)
+        if distract and rng.random() < distract:
+            p, a = with_distractor(rng, a, digit)
         text += p
         spans.append((len(text), len(text) + len(a)))
         text += a + ";"
@@ -111,12 +125,12 @@ def needle_distance(i: int) -> int:
     return (N_ITEMS * ITEM_LEN + NEEDLE_LEN + len(QUERY) - 1) - (ITEM_LEN * i + 2)
 
 
-def kv_doc(rng: random.Random, far: bool) -> dict[str, Any]:
+def kv_doc(rng: random.Random, far: bool, distract: float = 0.0) -> dict[str, Any]:
     """One eval doc: the needle ``far`` behind the query's sliding window (needle
     record wholly outside it) or inside it."""
     i = rng.randrange(0, FAR_MAX_ITEM + 1) if far else rng.randrange(FAR_MAX_ITEM + 1,
                                                                       N_ITEMS + 1)
-    prompt, digit, _ = needle_text(rng, i)
+    prompt, digit, _ = needle_text(rng, i, distract)
     dist = needle_distance(i)
     assert (dist - 1 >= WINDOW) == far, (i, dist)  # the whole record (value - 2 ..) behind
     return {"prompt": prompt, "answer": digit, "record": i, "distance": dist}
@@ -127,7 +141,7 @@ def copy_doc(rng: random.Random) -> dict[str, Any]:
     return {"prompt": p, "answer": a[:-1]}
 
 
-def train_example(rng: random.Random, far_share: float | None = None
+def train_example(rng: random.Random, far_share: float | None = None, distract: float = 0.0
                   ) -> tuple[str, list[tuple[int, int]], tuple[int, int]]:
     """(text, copy target spans, needle answer span). Every char is one token. The
     needle's item is uniform, or behind the window with probability ``far_share``."""
@@ -137,7 +151,7 @@ def train_example(rng: random.Random, far_share: float | None = None
         i = rng.randrange(FAR_MAX_ITEM + 1)
     else:
         i = rng.randrange(FAR_MAX_ITEM + 1, N_ITEMS + 1)
-    prompt, digit, spans = needle_text(rng, i)
+    prompt, digit, spans = needle_text(rng, i, distract)
     text = prompt + digit + ";"
     assert len(text) == SEQ_LEN
     return text, spans, (len(prompt), len(text))
@@ -171,7 +185,7 @@ def encode(tok: Any, table: dict[str, int], text: str) -> list[int]:
     return ids
 
 
-def batches(tok: Any, seed: int, batch: int, far_share: float | None
+def batches(tok: Any, seed: int, batch: int, far_share: float | None, distract: float = 0.0
             ) -> Iterator[tuple[Any, Any, Any]]:
     """(input ids, copy labels, needle labels), -100 where a token is no target."""
     import torch
@@ -181,7 +195,7 @@ def batches(tok: Any, seed: int, batch: int, far_share: float | None
     while True:
         xs, copies, needles = [], [], []
         for _ in range(batch):
-            text, spans, (a, b) = train_example(rng, far_share)
+            text, spans, (a, b) = train_example(rng, far_share, distract)
             ids = [table[c] for c in text]
             copy_lab = [-100] * len(ids)
             for s0, s1 in spans:
@@ -248,11 +262,11 @@ def greedy(model: Any, tok: Any, table: dict[str, int], prompt: str, n: int) -> 
     return out
 
 
-def eval_docs(seed: int, n: int) -> dict[str, list[dict[str, Any]]]:
+def eval_docs(seed: int, n: int, distract: float = 0.0) -> dict[str, list[dict[str, Any]]]:
     """The lm_eval tasks' docs (configs/lm_eval/tasks/data/): a seed apart from training."""
     rng = random.Random(seed)
-    return {"dsv4_kv_far": [kv_doc(rng, True) for _ in range(n)],
-            "dsv4_kv_near": [kv_doc(rng, False) for _ in range(n)],
+    return {"dsv4_kv_far": [kv_doc(rng, True, distract) for _ in range(n)],
+            "dsv4_kv_near": [kv_doc(rng, False, distract) for _ in range(n)],
             "dsv4_copy": [copy_doc(rng) for _ in range(n)]}
 
 
@@ -333,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--init-from", type=Path, default=None,
                     help="continue from a checkpoint this script wrote (stage 2; data "
                     "stream seeded with --seed + 1000 so it does not repeat stage 1's)")
+    ap.add_argument("--distractors", type=float, default=0.0, metavar="P",
+                    help="each copy item carries a digit other than the needle's with "
+                    "probability P (the answer then needs the needle's '##' record)")
     ap.add_argument("--eval-n", type=int, default=64)
     ap.add_argument("--log-every", type=int, default=20)
     ap.add_argument("--write-tasks", type=int, default=0, metavar="N",
@@ -352,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_tasks:
         write_tasks(args.seed + 1, args.write_tasks)
         return 0
-    docs = eval_docs(args.seed + 1, args.eval_n)
+    docs = eval_docs(args.seed + 1, args.eval_n, args.distractors)
     if args.eval_only:
         # the lm_eval tasks' own docs, scored as the tasks score them (exact match)
         model = mk.load_transformers(args.out)
@@ -367,13 +384,15 @@ def main(argv: list[str] | None = None) -> int:
     data_seed = args.seed
     stage: dict[str, Any] = {"steps": args.steps, "lr": args.lr, "batch": args.batch,
                              "seed": args.seed, "far_share": args.far_share,
-                             "threads": args.threads}
+                             "threads": args.threads,
+                             **({"distractors": args.distractors} if args.distractors else {})}
     if args.init_from:
         cfg = json.loads((args.init_from / "config.json").read_text())
+        # a data stream of its own per stage (stage 2: seed + 1000)
+        data_seed = args.seed + 1000 * len(cfg["vllm_dsv4_trained"]["stages"])
         cfg["vllm_dsv4_trained"]["stages"].append({"init_from": args.init_from.name, **stage})
         torch.manual_seed(args.seed)
         model = mk.load_transformers(args.init_from)
-        data_seed = args.seed + 1000
     else:
         cfg["vllm_dsv4_trained"]["stages"].append(stage)
         model = build_model(cfg, args.seed)
@@ -394,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model.train()
     t0 = time.perf_counter()
-    it = batches(tok, data_seed, args.batch, args.far_share)
+    it = batches(tok, data_seed, args.batch, args.far_share, args.distractors)
     ema = None
     step = 0
     for step in range(args.steps):
