@@ -21,7 +21,10 @@ Engines: fp8 KV cache (``fp8_ds_mla``) with the FP8 indexer cache, and with the 
 indexer cache (``use_fp4_indexer_cache``), on this machine's CPU kind (vLLM's C++
 kernels on AVX512-BF16, the plugin's torch fallbacks elsewhere); and under TP 2 (FP8
 indexer) and PP 2 (MXFP4 indexer), whose ranks are worker processes of vLLM's
-multiprocessing executor. Chunked prefill:
+multiprocessing executor; and the checkpoint in DeepSeek-V4-Flash's quantized layout
+(FP8 block-scaled linears, MXFP4 experts) against transformers on its dequantized values,
+where vLLM's CPU build loads it (AMX; elsewhere the test checks that refusal). Chunked
+prefill:
 vLLM 0.32's CPU platform turns it off for DeepSeek-V4 unless the CPU has AMX
 (``CpuPlatform.check_and_update_config``); the full variant asks for it and skips with
 that reason where vLLM refused.
