@@ -12,7 +12,7 @@ Issue 29 item 2 (vllm#55927: a wrong token whenever the prompt length is 3 mod 4
     stores, ``fused_indexer_q_rope_quant_cpu``, ``fp8_paged_mqa_logits_cpu`` +
     ``topk_transform_512_cpu``, ``flash_mla_with_kvcache_cpu``), with the window, C128
     and C4 slot tables built by the plugin layer's own builders
-    (``DSV4CPUAttention._window_slots`` / ``_dense_compressed_slots``, ``_map_slots``),
+    (``layer.cpu_tables``: ``window_slots``, ``dense_compressed_slots``, ``map_slots``),
     against the float64 oracle. Skips where the loaded ``_C`` library lacks the
     kernels (no AVX512-BF16) or where they are the plugin's torch fallbacks.
 (c) ``test_prompt_logprobs_plugin_vs_vllm_layer`` (only with ``DSV4_FULL_SWEEP=1``: two
@@ -74,9 +74,9 @@ class LayerTableOps(S.VllmConventionOps):
 
     def __init__(self, c: Any) -> None:
         super().__init__(c)
-        from vllm_dsv4_backend.layer import cpu as layer_cpu
+        from vllm_dsv4_backend.layer import cpu_tables
 
-        self.layer = layer_cpu
+        self.tables = cpu_tables
 
     def _md(self, w: Any, table: str, block_size: int, t: int) -> SimpleNamespace:
         return SimpleNamespace(block_size=block_size, block_table=w.bt[table],
@@ -84,19 +84,19 @@ class LayerTableOps(S.VllmConventionOps):
 
     def map_slots(self, local: torch.Tensor, bt: torch.Tensor, bs: int) -> torch.Tensor:
         req = torch.zeros(local.shape[0], dtype=torch.int64)
-        return self.layer._map_slots(local, req, bt, bs)
+        return self.tables.map_slots(local, req, bt, bs)
 
     def window(self, w, pos):
         me = SimpleNamespace(window_size=S.WINDOW)
         md = self._md(w, "swa", S.SWA_BS, pos.numel())
-        return self.layer.DSV4CPUAttention._window_slots(me, md, pos), None
+        return self.tables.window_slots(me, md, pos), None
 
     def c128_slots(self, w, pos):
         me = SimpleNamespace(max_model_len=w.n + 8, compress_ratio=128)
         swa_md = self._md(w, "swa", S.SWA_BS, pos.numel())
         # vLLM's compressed metadata counts tokens per block (256); the layer divides.
         flash_md = self._md(w, "comp128", S.COMP_BS[128] * 128, pos.numel())
-        slots = self.layer.DSV4CPUAttention._dense_compressed_slots(me, swa_md, flash_md, pos)
+        slots = self.tables.dense_compressed_slots(me, swa_md, flash_md, pos)
         return slots, torch.div(pos + 1, 128, rounding_mode="floor").to(torch.int32)
 
 
