@@ -24,6 +24,8 @@ CPU only, vLLM 0.32 without Triton:
   omits the ``c1a``/``c2a`` keys the shared ``build()`` reads (``KeyError``).
 * ``cpu_op_fallbacks`` — torch versions of the DeepSeek-V4 ``_C`` ops that
   only vLLM's AVX512-BF16 library has, registered only where they are missing.
+* ``router_expert_counts`` — vLLM 0.32's AVX512 routing kernels take only 64 or
+  more experts; the torch router serves the shapes they refuse (one WARNING each).
 * ``moe_expert_map`` — vLLM 0.32's CPU experts ignore ``expert_map`` under
   expert parallel and segfault in ``cpu_fused_moe``; global ids become local
   slots, another rank's experts weight 0.

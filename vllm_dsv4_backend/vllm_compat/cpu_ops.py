@@ -50,7 +50,15 @@ import torch
 from vllm_dsv4_backend._logging import init_logger
 from vllm_dsv4_backend.ops import compressor
 
-__all__ = ["FALLBACK_FLAG", "OPS", "is_fallback", "missing_ops", "register_missing", "registered"]
+__all__ = [
+    "FALLBACK_FLAG",
+    "OPS",
+    "is_fallback",
+    "missing_ops",
+    "register_missing",
+    "registered",
+    "router_with_shape_fallback",
+]
 
 logger = init_logger(__name__)
 
@@ -612,6 +620,47 @@ OPS: tuple[FallbackOp, ...] = (
         topk_transform_512_cpu,
     ),
 )
+
+
+# ---------------------------------------------------------------------------------------
+# router shapes vLLM's AVX512 kernels refuse (patch router_expert_counts)
+# ---------------------------------------------------------------------------------------
+def _router_key(name: str, args: tuple) -> tuple[int, int]:
+    # (num_experts, top_k) from the op's positional arguments (cpu_router passes them so)
+    if name == "hash_topk_cpu":
+        return int(args[0].shape[1]), int(args[2])
+    return int(args[1].shape[1]), int(args[3])
+
+
+def router_with_shape_fallback(name: str, real: Callable) -> Callable:
+    """``real`` (vLLM's ``hash_topk_cpu`` / ``biased_topk_cpu``, the SGLang AVX512 ports)
+    for the expert counts and top-k it takes; this module's torch version of the op for
+    the ones it refuses ("<op>: unsupported ...", raised before it computes anything),
+    with one WARNING per refused shape. vLLM 0.32's kernels take DeepSeek's expert counts
+    only (64 or more); a DeepSeek-V4 with fewer experts (the trained tiny model: 4, top
+    2) would otherwise stop at its first MoE layer."""
+    impl = {"hash_topk_cpu": hash_topk_cpu, "biased_topk_cpu": biased_topk_cpu}[name]
+    refused: set[tuple[int, int]] = set()
+
+    @functools.wraps(real)
+    def route(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        key = _router_key(name, args)
+        if key not in refused:
+            try:
+                return real(*args)
+            except RuntimeError as e:
+                if not str(e).startswith(f"{name}: unsupported"):
+                    raise
+                refused.add(key)
+                logger.warning(
+                    "vLLM's %s refuses num_experts=%d, top_k=%d (%s); the plugin's torch "
+                    "%s routes this model's MoE (patch router_expert_counts)",
+                    name, key[0], key[1], e, name,
+                )
+        return impl(*args)  # type: ignore[operator]
+
+    route.__vllm_dsv4_refused__ = refused  # type: ignore[attr-defined]
+    return route
 
 
 def _has_op(name: str) -> bool:

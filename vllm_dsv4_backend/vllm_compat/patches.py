@@ -140,6 +140,33 @@ def _cpu_op_fallbacks(_cpu_model: ModuleType, on_applied: Report) -> bool:
     return bool(names)
 
 
+ROUTER_MODULE = "vllm.model_executor.layers.fused_moe.router.cpu_router"
+ROUTER_OPS = ("hash_topk_cpu", "biased_topk_cpu")
+
+
+def _router_expert_counts(cpu_router: ModuleType, on_applied: Report) -> bool:
+    from vllm_dsv4_backend.vllm_compat import cpu_ops
+
+    changed = False
+    for name in ROUTER_OPS:
+        owner, attr, current = hooks.resolve(cpu_router, name)
+        if hooks.is_port(current):
+            continue
+        hooks.check_signature(
+            f"{ROUTER_MODULE}.{name}", current,
+            ("gating_output", "tid2eid", "topk", "scoring_func", "num_fused_shared_experts",
+             "num_experts", "routed_scaling_factor") if name == "hash_topk_cpu" else
+            ("hidden_states", "gating_output", "correction_bias", "topk", "renormalize",
+             "scoring_func", "num_fused_shared_experts", "routed_scaling_factor",
+             "apply_routed_scaling_factor_on_output"),
+        )
+        hooks.set_attr(owner, attr,
+                       hooks.mark_port(cpu_ops.router_with_shape_fallback(name, current)))
+        on_applied(f"router:{ROUTER_MODULE}.{name} serves the shapes its kernel refuses")
+        changed = True
+    return changed
+
+
 MOE_EP_MODULE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe"
 
 
@@ -247,6 +274,23 @@ PATCHES: dict[str, Patch] = {
             remove_when="vLLM's AVX2/AVX512 CPU libraries carry the DeepSeek-V4 ops",
             modules=(attention.CPU_MODULE,),
             install=_cpu_op_fallbacks,
+            platforms=("cpu",),
+        ),
+        Patch(
+            name="router_expert_counts",
+            why="vLLM 0.32's AVX512-BF16 routing kernels (hash_topk_cpu, biased_topk_cpu, "
+            "SGLang ports) take only DeepSeek's expert counts (64 or more); a DeepSeek-V4 "
+            "with fewer routed experts (the trained tiny model: 4, top 2) stops at its first "
+            "step with RuntimeError 'unsupported num_experts'.",
+            how="wraps the two names in cpu_router: vLLM's kernel for every shape it takes "
+            "(unchanged, bitwise); for a shape it refuses (its 'unsupported' error, raised "
+            "before it computes), the torch op of vllm_compat.cpu_ops, with one WARNING per "
+            "shape",
+            upstream=f"{ROUTER_MODULE.replace('.', '/')}.py: hash_topk_cpu, biased_topk_cpu "
+            "(csrc/cpu/sgl-kernels/topk.cpp)",
+            remove_when="vLLM's CPU routing kernels take any expert count",
+            modules=(ROUTER_MODULE,),
+            install=_router_expert_counts,
             platforms=("cpu",),
         ),
         Patch(
