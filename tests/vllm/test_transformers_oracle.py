@@ -180,8 +180,10 @@ def _early(rows: list[dict], refs: list, positions: set[int] | None = None,
 
 
 def _report(oracle: dict[str, Any], names: tuple[str, ...] | None = None) -> dict[str, Any]:
-    return {name: O.compare(v["rows"], v["refs"]) for name, v in oracle["res"].items()
-            if (names is None and name != QUANTIZED) or (names and name in names)}
+    """Per variant (default: all but the quantized one, compared on its own) the groups."""
+    res = oracle["res"]
+    names = names or tuple(n for n in res if n != QUANTIZED)
+    return {n: O.compare(res[n]["rows"], res[n]["refs"]) for n in names}
 
 
 def test_oracle_agreement(oracle: dict[str, Any]) -> None:
@@ -208,7 +210,7 @@ def test_oracle_early_positions(oracle: dict[str, Any]) -> None:
     short = oracle["short"]
     for name, v in oracle["res"].items():
         if name == QUANTIZED:
-            continue  # test_quantized_layout
+            continue  # test_quantized_layout_vs_transformers
         rows = [v["rows"][i] for i in short]
         refs = [v["refs"][i] for i in short]
         early, c4 = _early(rows, refs), _early(rows, refs, {3, 7})
@@ -228,18 +230,32 @@ def test_oracle_negative_control(oracle: dict[str, Any], fault: str) -> None:
         f"{fault} passes the oracle: early {early:.4f}, p=3,7 {c4:.4f}")
 
 
-def test_quantized_layout(oracle: dict[str, Any]) -> None:
-    """DeepSeek-V4-Flash's layout through vLLM + the plugin against transformers on the
-    same values; where vLLM refuses to load it, the refusal must be the AMX one."""
+def _amx() -> bool:
     import torch
 
-    v = oracle["res"][QUANTIZED]
-    if "refused" in v:
-        amx = torch.cpu._is_amx_tile_supported()
-        assert not amx and "AMX" in v["refused"], (
-            f"vLLM refused the quantized layout (AMX CPU: {amx}): {v['refused']}")
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
+def test_quantized_layout_refused_without_amx(oracle: dict[str, Any]) -> None:
+    """Without AMX vLLM 0.32's CPU build has no FP8 block-scaled linear or MXFP4 MoE kernel:
+    it must refuse the quantized checkpoint at load, saying so (never serve it some other
+    way)."""
+    if _amx():
+        pytest.skip("an AMX CPU loads the quantized layout: test_quantized_layout_vs_transformers")
+    refused = oracle["res"][QUANTIZED].get("refused")
+    assert refused is not None, "vLLM served the quantized layout on a CPU without AMX"
+    assert "AMX" in refused, refused
+
+
+def test_quantized_layout_vs_transformers(oracle: dict[str, Any]) -> None:
+    """DeepSeek-V4-Flash's layout through vLLM + the plugin against transformers on the
+    same values (dequantized)."""
+    if not _amx():
+        # hardware, like a GPU-only test on CPU: the refusal is test_..._refused_without_amx
         pytest.skip("vLLM 0.32's CPU build runs FP8 block-scaled linears and MXFP4 experts "
-                    f"only on AMX CPUs; it refused here: {' '.join(v['refused'].split())[:300]}")
+                    "only on AMX CPUs (Sapphire Rapids or newer); this CPU has no AMX")
+    v = oracle["res"][QUANTIZED]
+    assert "refused" not in v, f"vLLM refused the quantized layout on an AMX CPU: {v['refused']}"
     groups = _report(oracle, (QUANTIZED,))[QUANTIZED]
     print("\n[transformers oracle]\n" + O.table({QUANTIZED: groups}))
     s = groups["all"]
