@@ -288,7 +288,8 @@ def dequantize_flash_layout(qsd: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _save(out_dir: Path, sd: dict[str, Any], cfg: dict[str, Any]) -> Path:
+def save_checkpoint(out_dir: Path, sd: dict[str, Any], cfg: dict[str, Any]) -> Path:
+    """``model.safetensors`` (``sd``), ``config.json`` (``cfg``) and the tiny tokenizer."""
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -312,7 +313,7 @@ def write(out_dir: Path, seed: int = SEED, layout: str = "bf16") -> Path:
         cfg["expert_dtype"] = "fp4"
         cfg["quantization_config"] = dict(FLASH_QUANT_CONFIG)
     cfg["vllm_dsv4_oracle_checkpoint"]["variant"] = layout
-    return _save(out_dir, sd, cfg)
+    return save_checkpoint(out_dir, sd, cfg)
 
 
 def write_dequantized(quantized_dir: Path, out_dir: Path) -> Path:
@@ -325,7 +326,7 @@ def write_dequantized(quantized_dir: Path, out_dir: Path) -> Path:
     cfg["expert_dtype"] = "bf16"
     cfg["vllm_dsv4_oracle_checkpoint"]["variant"] = "fp8-mxfp4 dequantized"
     qsd = load_file(str(quantized_dir / "model.safetensors"))
-    return _save(out_dir, dequantize_flash_layout(qsd), cfg)
+    return save_checkpoint(out_dir, dequantize_flash_layout(qsd), cfg)
 
 
 def load_transformers(model_dir: Path) -> Any:

@@ -54,7 +54,6 @@ import argparse
 import json
 import math
 import random
-import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -228,16 +227,10 @@ def build_model(cfg: dict[str, Any], seed: int) -> Any:
 
 def save(model: Any, cfg: dict[str, Any], out: Path) -> int:
     import torch
-    from safetensors.torch import save_file
 
-    out.mkdir(parents=True, exist_ok=True)
     sd = mk.hf_to_deepseek(model.state_dict())
-    sd = {k: (v.to(torch.bfloat16) if v.dtype.is_floating_point else v).contiguous()
-          for k, v in sd.items()}
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    for f in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(mk.TINY / f, out / f)
+    sd = {k: (v.to(torch.bfloat16) if v.dtype.is_floating_point else v) for k, v in sd.items()}
+    mk.save_checkpoint(out, sd, cfg)
     return (out / "model.safetensors").stat().st_size
 
 
