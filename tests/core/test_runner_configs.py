@@ -611,6 +611,58 @@ def test_server_health_timeout(tmp_path: Path) -> None:
     assert srv.proc.poll() is not None
 
 
+def test_server_on_a_taken_port_is_not_healthy(tmp_path: Path) -> None:
+    """Two servers started together on one port: ``vllm serve`` binds with SO_REUSEADDR
+    at start and listens only when its engine is up, so both binds succeed and the first
+    to listen answers both URLs (the tp2pp2 server of test_parallel_layouts once read
+    the pp2 server's /metrics this way). The one that does not hold the listener never
+    counts as healthy; its wait fails naming the other process."""
+    (tmp_path / "a").mkdir()
+    a, _ = _fake(tmp_path / "a", delay=0)
+    # b's process never listens, like a vLLM server still loading its model.
+    b = R.ServerProcess([sys.executable, "-c", "import time; time.sleep(300)"],
+                        host="127.0.0.1", port=a.port, log_path=tmp_path / "b.log")
+    with a, b:
+        a.wait_healthy(timeout=60, interval=0.1)
+        assert a.owns_port() and a.is_healthy()
+        assert not b.owns_port() and not b.is_healthy()
+        with pytest.raises(R.RunError, match=r"within 1 s \(another process listens"):
+            b.wait_healthy(timeout=1.0, interval=0.1)
+
+
+def test_find_free_port_never_repeats(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The OS may offer a port twice (it picks at random, and a server has not bound
+    it yet); the runner hands each out once. The double replays the OS's choice, which
+    no test can force."""
+    import socket
+
+    from vllm_dsv4_backend.run import server
+
+    offered = iter([40001, 40001, 40001, 40002])
+
+    class _Socket:
+        def __init__(self, *a: object) -> None:
+            self.port = 0
+
+        def __enter__(self) -> _Socket:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def bind(self, addr: tuple[str, int]) -> None:
+            self.port = next(offered)
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(server, "_handed_out", set())
+    monkeypatch.setattr(server.socket, "socket", _Socket)
+    assert [server.find_free_port(), server.find_free_port()] == [40001, 40002]
+    monkeypatch.undo()
+    assert socket.socket is not _Socket and server.find_free_port() > 0
+
+
 def test_run_logged_failure_has_tail(tmp_path: Path) -> None:
     cmd = [sys.executable, "-c", "print('lm_eval exploded'); raise SystemExit(4)"]
     with pytest.raises(R.RunError, match=r"(?s)exit code 4.*lm_eval exploded"):

@@ -35,11 +35,65 @@ __all__ = [
 ]
 
 
+# Ports this process has handed out: servers started together must not share one.
+_handed_out: set[int] = set()
+
+
 def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port the OS reports free on ``host`` (racy by nature; good enough locally)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port the OS reports free on ``host`` and this process has not handed out
+    before (racy against other processes by nature; :meth:`ServerProcess.is_healthy`
+    then refuses a listener that is not the server's own).
+
+    Never the same port twice: ``vllm serve`` binds its port at start (``SO_REUSEADDR``)
+    but listens only once its engine is up, so two servers started together on one port
+    both bind; the first to listen answers both URLs, the other fails later."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+
+
+def _listener_inodes(port: int) -> set[str] | None:
+    """Socket inodes listening on TCP ``port`` (IPv4 and IPv6), from ``/proc/net``;
+    ``None`` where the platform has no ``/proc/net/tcp``."""
+    inodes: set[str] = set()
+    seen = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        seen = True
+        for row in rows:
+            cols = row.split()
+            # local_address is ADDR:PORT in hex; state 0A is LISTEN.
+            if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(cols[9])
+    return inodes if seen else None
+
+
+def _session_holds(sid: int, inodes: set[str]) -> bool:
+    """Whether a process of session ``sid`` holds one of the socket ``inodes``."""
+    wanted = {f"socket:[{i}]" for i in inodes}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        try:
+            if os.getsid(pid) != sid:
+                continue
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in wanted:
+                    return True
+    return False
 
 
 def tail(path: str | os.PathLike[str], n: int = 40) -> str:
@@ -78,6 +132,8 @@ class ServerProcess:
         self._log: Any = None
         self.started_at = 0.0
         self.healthy_after_s: float | None = None
+        # /health answered by a process outside this server's group (is_healthy).
+        self._foreign_listener = False
 
     @property
     def base_url(self) -> str:
@@ -102,12 +158,26 @@ class ServerProcess:
         return self
 
     def is_healthy(self) -> bool:
-        """One ``GET /health`` with a short timeout."""
+        """One ``GET /health`` with a short timeout, answered by this server: where
+        ``/proc`` tells, a listener on the port held by another process (a server
+        started beside this one on the same port) does not count."""
         try:
             with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as r:
-                return r.status == 200
+                if r.status != 200:
+                    return False
         except (urllib.error.URLError, OSError, ValueError):
             return False
+        ours = self.owns_port()
+        self._foreign_listener = not ours
+        return ours
+
+    def owns_port(self) -> bool:
+        """Whether the listener on :attr:`port` belongs to this server's process group
+        (True where the platform cannot tell: no ``/proc/net/tcp``)."""
+        inodes = _listener_inodes(self.port)
+        if inodes is None or self.proc is None:
+            return inodes is None
+        return bool(inodes) and _session_holds(self.proc.pid, inodes)
 
     def wait_healthy(
         self,
@@ -148,9 +218,11 @@ class ServerProcess:
             if waited > timeout:
                 if progress is not None and tty:
                     progress.write("\n")
+                foreign = (" (another process listens on that port)"
+                           if self._foreign_listener else "")
                 raise RunError(
-                    f"vLLM server did not answer {self.base_url}/health within {timeout:.0f} s."
-                    f"\ncommand: {shlex.join(self.cmd)}\nlog: {self.log_path}\n"
+                    f"vLLM server did not answer {self.base_url}/health within {timeout:.0f} s"
+                    f"{foreign}.\ncommand: {shlex.join(self.cmd)}\nlog: {self.log_path}\n"
                     f"--- last lines ---\n{tail(self.log_path)}"
                 )
             if progress is not None and (tty or waited - last_print >= 10):
