@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ import pytest
 import torch
 
 from tests.support import worker_env
+from vllm_dsv4_backend.run.server import find_free_port
 
 WORLD = 2
 # (sizes per rank) cases: uneven, one rank empty, even (sizes=None path).
@@ -94,16 +94,10 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     Path(out).write_text(json.dumps(results))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.vllm
 def test_collectives_match_torch_distributed_on_gloo(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
-    port = _free_port()
+    port = find_free_port()
     outs = [tmp_path / f"rank{r}.json" for r in range(WORLD)]
     env = worker_env({**os.environ, "OMP_NUM_THREADS": "1"})
     procs = [subprocess.Popen([sys.executable, __file__, str(r), str(WORLD), str(port),
