@@ -128,7 +128,6 @@ FP8_LINEAR = re.compile(
     r"|\.ffn\.shared_experts\.w[123]\.weight$")
 MXFP4_EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
 FP8_BLOCK = 128
-FP8_MAX = 448.0  # e4m3fn's largest finite value
 FLASH_QUANT_CONFIG: dict[str, Any] = {
     "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
     "scale_fmt": "ue8m0", "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
@@ -225,16 +224,18 @@ def hf_to_deepseek(hf_state: dict[str, Any]) -> dict[str, Any]:
 def fp8_block_quantize(w: Any) -> tuple[Any, Any]:
     """``[O, I]`` float -> (``[O, I]`` e4m3 weight, ``[ceil(O/128), ceil(I/128)]`` UE8M0
     scale): each 128 x 128 block (partial at the edges) divided by the smallest power of
-    two that brings its max |w| within 448, round to nearest."""
+    two that brings its max |w| within 448 (the indexer cache's exact UE8M0 exponent),
+    round to nearest."""
     import torch
+
+    from vllm_dsv4_backend.formats.indexer_cache import fp8_exponent
 
     o, i = w.shape
     bo, bi = -(-o // FP8_BLOCK), -(-i // FP8_BLOCK)
     padded = torch.zeros(bo * FP8_BLOCK, bi * FP8_BLOCK, dtype=torch.float32)
     padded[:o, :i] = w.float()
     blocks = padded.view(bo, FP8_BLOCK, bi, FP8_BLOCK)
-    amax = blocks.abs().amax(dim=(1, 3)).clamp_min(torch.finfo(torch.float32).tiny)
-    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+    scale = torch.ldexp(torch.ones(bo, bi), fp8_exponent(blocks.abs().amax(dim=(1, 3))))
     q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
     return (q.view(bo * FP8_BLOCK, bi * FP8_BLOCK)[:o, :i].contiguous(),
             scale.to(torch.float8_e8m0fnu))
@@ -382,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.dequantized and args.layout == "bf16":
         ap.error("--dequantized needs --layout fp8-mxfp4")
+    if args.verify and args.layout != "bf16" and not args.dequantized:
+        ap.error("--verify of fp8-mxfp4 checks its bf16 reference: add --dequantized")
     write(args.out, args.seed, args.layout)
     size = (args.out / "model.safetensors").stat().st_size
     print(f"[make_oracle_checkpoint] wrote {args.out} ({args.layout}, seed {args.seed}, "
@@ -391,8 +394,6 @@ def main(argv: list[str] | None = None) -> int:
         ref = write_dequantized(args.out, args.dequantized)
         print(f"[make_oracle_checkpoint] wrote {ref} (its values, bf16)")
     if args.verify:
-        if args.layout != "bf16" and not args.dequantized:
-            ap.error("--verify of fp8-mxfp4 checks its bf16 reference: add --dequantized")
         verify(ref)
     return 0
 
