@@ -18,7 +18,7 @@ the maker's.
 Whether vLLM runs the layout end to end is ``test_transformers_oracle.py::
 test_quantized_layout_vs_transformers`` (AMX CPUs only: vLLM 0.32's CPU build has no
 other FP8 block-scaled linear or MXFP4 MoE kernel; elsewhere
-``test_quantized_layout_refused_without_amx`` checks that it refuses).
+``test_quantized_layout_loads_only_with_amx`` checks that it refuses).
 """
 
 from __future__ import annotations

@@ -236,13 +236,14 @@ def _amx() -> bool:
     return bool(torch.cpu._is_amx_tile_supported())
 
 
-def test_quantized_layout_refused_without_amx(oracle: dict[str, Any]) -> None:
-    """Without AMX vLLM 0.32's CPU build has no FP8 block-scaled linear or MXFP4 MoE kernel:
-    it must refuse the quantized checkpoint at load, saying so (never serve it some other
-    way)."""
-    if _amx():
-        pytest.skip("an AMX CPU loads the quantized layout: test_quantized_layout_vs_transformers")
+def test_quantized_layout_loads_only_with_amx(oracle: dict[str, Any]) -> None:
+    """vLLM 0.32's CPU build has FP8 block-scaled linear and MXFP4 MoE kernels only on AMX
+    CPUs: without AMX it must refuse the quantized checkpoint at load, naming AMX (never
+    serve it some other way); with AMX it must load it (compared by the next test)."""
     refused = oracle["res"][QUANTIZED].get("refused")
+    if _amx():
+        assert refused is None, f"vLLM refused the quantized layout on an AMX CPU: {refused}"
+        return
     assert refused is not None, "vLLM served the quantized layout on a CPU without AMX"
     assert "AMX" in refused, refused
 
@@ -251,11 +252,12 @@ def test_quantized_layout_vs_transformers(oracle: dict[str, Any]) -> None:
     """DeepSeek-V4-Flash's layout through vLLM + the plugin against transformers on the
     same values (dequantized)."""
     if not _amx():
-        # hardware, like a GPU-only test on CPU: the refusal is test_..._refused_without_amx
+        # hardware, like a GPU-only test on CPU: test_quantized_layout_loads_only_with_amx
+        # checks the refusal here
         pytest.skip("vLLM 0.32's CPU build runs FP8 block-scaled linears and MXFP4 experts "
                     "only on AMX CPUs (Sapphire Rapids or newer); this CPU has no AMX")
-    v = oracle["res"][QUANTIZED]
-    assert "refused" not in v, f"vLLM refused the quantized layout on an AMX CPU: {v['refused']}"
+    refused = oracle["res"][QUANTIZED].get("refused")
+    assert refused is None, f"vLLM refused the quantized layout on an AMX CPU: {refused}"
     groups = _report(oracle, (QUANTIZED,))[QUANTIZED]
     print("\n[transformers oracle]\n" + O.table({QUANTIZED: groups}))
     s = groups["all"]
